@@ -1,0 +1,3 @@
+from gsm8kctl.cli import main
+
+main()

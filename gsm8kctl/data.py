@@ -1,0 +1,92 @@
+"""GSM8k problems with stable ids (`train-00042`), from a local directory or the hub."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from gsm8kctl.agent import parse_gold
+from gsm8kctl.errors import UserError
+
+SPLITS = ("train", "test")
+HUB_DATASET = ("openai/gsm8k", "main")
+
+
+def data_dir_from(explicit: str | None) -> Path | None:
+    """--data-dir, else $GSM8K_DIR, else None (= the hub)."""
+    d = explicit or os.environ.get("GSM8K_DIR")
+    return Path(d) if d else None
+
+
+@lru_cache(maxsize=8)
+def _load_split(split: str, data_dir: str | None) -> tuple[dict, ...]:
+    if split not in SPLITS:
+        raise UserError(f"unknown split '{split}'; choose train or test")
+    import datasets
+
+    datasets.disable_progress_bars()
+    if data_dir is not None:
+        path = Path(data_dir) / f"{split}.jsonl"
+        if not path.exists():
+            raise UserError(f"{path}: no such file (--data-dir / GSM8K_DIR must hold train.jsonl and test.jsonl)")
+        _check_jsonl(path)
+        rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    else:
+        try:
+            rows = datasets.load_dataset(*HUB_DATASET, split=split)
+        except Exception as exc:  # offline, hub down: say what to do instead
+            raise UserError(f"could not load {HUB_DATASET[0]} from the hub ({type(exc).__name__}); "
+                            "set GSM8K_DIR or --data-dir to a directory with train.jsonl/test.jsonl") from None
+    problems = []
+    for i, row in enumerate(rows):
+        problems.append({
+            "id": f"{split}-{i:05d}",
+            "split": split,
+            "question": row["question"],
+            "solution": row["answer"],
+            "gold": parse_gold(row["answer"]),
+        })
+    return tuple(problems)
+
+
+def _check_jsonl(path: Path) -> None:
+    """`datasets` reports a bad line without its number; find it ourselves first."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
+                raise UserError(f"{path}:{lineno}: expected an object with 'question' and 'answer'")
+            if "####" not in row["answer"]:
+                raise UserError(f"{path}:{lineno}: answer has no '#### N' final line")
+
+
+def load_problems(split: str, data_dir: str | None = None) -> list[dict]:
+    d = data_dir_from(data_dir)
+    return list(_load_split(split, str(d) if d else None))
+
+
+def select_problems(problems: list[dict], *, n_problems: int | None = None,
+                    problem_ids: list[str] | None = None) -> list[dict]:
+    """Pick by explicit ids (in the order given) or the first N; an empty pick is an error."""
+    if problem_ids:
+        by_id = {p["id"]: p for p in problems}
+        missing = [pid for pid in problem_ids if pid not in by_id]
+        if missing:
+            raise UserError(f"unknown problem id(s): {', '.join(missing[:5])}")
+        chosen = [by_id[pid] for pid in problem_ids]
+    elif n_problems is not None:
+        if n_problems <= 0:
+            raise UserError("--n-problems must be positive")
+        chosen = problems[:n_problems]
+    else:
+        chosen = list(problems)
+    if not chosen:
+        raise UserError("no problems selected")
+    return chosen

