@@ -37,7 +37,9 @@ class TransformersBackend:
     def __init__(self, model: str, cfg: dict | None = None, *, device: str | None = None,
                  dtype: str = "auto", batch_size: int | None = None, score_token_budget: int | None = None):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # stderr is ours: progress of sampling, not of loading
         cfg = cfg or {}
         self.model = model
         self.device = device or pick_device()

@@ -1,0 +1,179 @@
+"""The command line: parse, call one stage function, turn known errors into exit codes.
+
+Each command is a few lines; the work lives in `gsm8kctl/stages/`. Trailing `key=value`
+arguments are config overrides (`+key=value` too), exactly like the original command line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gsm8kctl.config import load_config, set_value
+from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, UserError
+
+app = typer.Typer(
+    help="Rejection sampling and REINFORCE-style RL for GSM8k. Every stage reads and writes files; "
+         "'-' means stdin/stdout JSONL. Trailing key=value arguments override the config.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# ---------------------------------------------------------------------------- shared options
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (see configs/).")]
+ModelOpt = Annotated[Optional[str], typer.Option(help="Hub id, local HF directory, or smollm2-135m (embedded).")]
+BackendOpt = Annotated[Optional[str], typer.Option(help="auto | transformers | vllm | openai.")]
+DataDirOpt = Annotated[Optional[Path], typer.Option(help="Directory with GSM8k train.jsonl/test.jsonl "
+                                                         "(default: $GSM8K_DIR, else the hub).")]
+CallsOpt = Annotated[Optional[str], typer.Option("--llm-calls", help="LLM call log (sqlite); default: "
+                                                                      "llm_calls.sqlite next to the output.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+Overrides = Annotated[Optional[list[str]], typer.Argument(help="Config overrides key.sub=value.",
+                                                          show_default=False)]
+
+
+def _handle_errors(fn):
+    """One place maps exceptions to exit codes; GSM8KCTL_DEBUG=1 re-raises for a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            if os.environ.get("GSM8KCTL_DEBUG"):
+                raise
+            typer.echo(f"Error: {exc}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except BrokenPipeError:
+            # `gsm8kctl ... | head` closed the pipe: not an error of ours.
+            sys.stderr.close()
+            raise typer.Exit(0)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            if os.environ.get("GSM8KCTL_DEBUG"):
+                raise
+            typer.echo(f"Internal error: {type(exc).__name__}: {exc} (GSM8KCTL_DEBUG=1 shows the traceback)",
+                       err=True)
+            raise typer.Exit(EXIT_INTERNAL)
+
+    return wrapper
+
+
+def _config(config: Optional[Path], overrides: Optional[list[str]], **typed) -> dict:
+    """Defaults < --config file < key=value overrides < typed options given on the command line."""
+    cfg = load_config(config, overrides or [])
+    for key, value in typed.items():
+        if value is not None:
+            set_value(cfg, key, value)
+    return cfg
+
+
+def _split_paths(args: Optional[list[str]]) -> tuple[list[str], list[str]]:
+    """Positional arguments: `key=value` are overrides unless a file of that name exists."""
+    paths, overrides = [], []
+    for a in args or []:
+        (overrides if "=" in a and not Path(a).exists() else paths).append(a)
+    return paths, overrides
+
+
+# ---------------------------------------------------------------------------- commands
+@app.command()
+@_handle_errors
+def sample(
+    out: Annotated[str, typer.Option("--out", "-o", help="Tapes JSONL to append to, or - for stdout.")],
+    model: ModelOpt = None,
+    backend: BackendOpt = None,
+    split: Annotated[str, typer.Option(help="train | test.")] = "train",
+    n_problems: Annotated[Optional[int], typer.Option(help="The first N problems of the split.")] = None,
+    problem_ids: Annotated[Optional[str], typer.Option(help="Comma-separated ids, e.g. train-00042.")] = None,
+    attempts: Annotated[Optional[int], typer.Option(help="Completions per problem.")] = None,
+    temperature: Annotated[Optional[float], typer.Option()] = None,
+    top_p: Annotated[Optional[float], typer.Option()] = None,
+    max_tokens: Annotated[Optional[int], typer.Option()] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    iteration: Annotated[int, typer.Option(help="Iteration number recorded in the tapes.")] = 0,
+    llm_calls: CallsOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+    quiet: QuietOpt = False,
+    overrides: Overrides = None,
+):
+    """Sample ATTEMPTS completions per problem; append tapes (rerun = resume)."""
+    from gsm8kctl.stages.sample import sample as run
+
+    cfg = _config(config, overrides, model=model, backend=backend, attempts=attempts,
+                  **{"sampling.temperature": temperature, "sampling.top_p": top_p,
+                     "sampling.max_tokens": max_tokens, "seed": seed,
+                     "data_dir": str(data_dir) if data_dir else None})
+    ids = [p.strip() for p in problem_ids.split(",") if p.strip()] if problem_ids else None
+    result = run(cfg, out=out, split=split, n_problems=n_problems, problem_ids=ids, calls_db=llm_calls,
+                 iteration=iteration, quiet=quiet)
+    if not quiet:
+        typer.echo(f"{result['tapes']} tapes written ({result['skipped']} already there), "
+                   f"{result['tokens_per_s']:.0f} tok/s", err=True)
+
+
+@app.command()
+@_handle_errors
+def evaluate(
+    out: Annotated[str, typer.Option("--out", "-o", help="Output directory (tapes.jsonl, metrics.json).")],
+    model: ModelOpt = None,
+    backend: BackendOpt = None,
+    limit: Annotated[Optional[int], typer.Option(help="First K test problems (default: all 1319).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option()] = None,
+    llm_calls: CallsOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    overrides: Overrides = None,
+):
+    """Greedy accuracy on the test split, strict (\\boxed{}) and lenient side by side."""
+    from gsm8kctl.stages.evaluate import evaluate as run
+    from gsm8kctl.stages.stats import render_table
+
+    cfg = _config(config, overrides, model=model, backend=backend,
+                  **{"evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
+    metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
+                  calls_db=llm_calls, quiet=quiet)
+    if json_out:
+        typer.echo(json.dumps(metrics))
+    elif not quiet:
+        render_table(metrics, f"evaluate {out}")
+
+
+@app.command()
+@_handle_errors
+def stats(
+    path: Annotated[str, typer.Argument(help="Tapes or samples JSONL, or - for stdin.")],
+    json_out: JsonOpt = False,
+):
+    """Counts, token lengths, rewards, strict/lenient accuracy, pass@k of a tapes or samples file."""
+    from gsm8kctl.jsonl import read_jsonl
+    from gsm8kctl.stages.stats import file_stats, render_table
+
+    result = file_stats(read_jsonl(path))
+    if result["count"] == 0:
+        raise UserError(f"{path}: no records")
+    if json_out:
+        typer.echo(json.dumps(result))
+    else:
+        render_table(result, f"stats {path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One module per stage; each exposes a plain function that the CLI and the loop call."""

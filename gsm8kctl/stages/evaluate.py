@@ -1,0 +1,64 @@
+"""`evaluate`: greedy decoding on the test split; strict and lenient accuracy side by side.
+
+Writes OUT/tapes.jsonl (resumable like `sample`), OUT/metrics.json and OUT/config.yaml.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gsm8kctl.backends import Backend, SamplingParams
+from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.data import load_problems, select_problems
+from gsm8kctl.jsonl import atomic_write_json, read_jsonl
+from gsm8kctl.progress import say
+from gsm8kctl.stages.sample import open_backend, run_attempts
+from gsm8kctl.stages.stats import tape_stats
+from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
+
+
+def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = "test",
+             calls_db: str | None = None, iteration: int = 0, backend: Backend | None = None,
+             model_label: str | None = None, quiet: bool = False) -> dict:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        from gsm8kctl.errors import UserError
+
+        raise UserError(f"{out}: exists and is not a directory (evaluate writes OUT/tapes.jsonl)")
+    out.mkdir(parents=True, exist_ok=True)
+    problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=limit)
+    save_config(cfg, out / CONFIG_FILE)
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=cfg["evaluation"]["max_tokens"],
+                            seed=cfg["seed"])
+    own = backend is None
+    if own:
+        backend = open_backend(cfg)
+        say(f"backend: {backend.name}, model: {cfg['model']}", quiet)
+    label = model_label or cfg["model"]
+    tapes_path = out / TAPES_FILE
+    try:
+        run = run_attempts(cfg, backend=backend, problems=problems, attempts=1, params=params,
+                           out=str(tapes_path), calls_db=calls_db or str(out / LLM_CALLS_FILE),
+                           iteration=iteration, model_label=label, quiet=quiet, description="evaluating")
+    finally:
+        if own:
+            backend.close()
+    wanted = {p["id"] for p in problems}
+    tapes = [t for t in read_jsonl(tapes_path) if t["problem_id"] in wanted and t.get("iteration", 0) == iteration]
+    st = tape_stats(tapes)
+    metrics = {
+        "n": st["count"],
+        "accuracy_strict": st["accuracy_strict"],
+        "accuracy_lenient": st["accuracy_lenient"],
+        "format_rate": st["format_rate"],
+        "overflow_rate": st["overflow_rate"],
+        "mean_output_tokens": st["tokens"]["completion"]["mean"],
+        "model": label,
+        "backend": backend.name,
+        "split": split,
+        "iteration": iteration,
+        "seconds": run["seconds"],
+        "tokens_per_s": run["tokens_per_s"],
+    }
+    atomic_write_json(out / METRICS_FILE, metrics)
+    return metrics

@@ -1,0 +1,122 @@
+"""`stats`: what a tapes (or samples) file holds: counts, lengths, rewards, accuracy, pass@k."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from typing import Iterable
+
+from gsm8kctl.tapes import outcome
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (q in 0..100)."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100 * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def length_summary(values: list[int]) -> dict:
+    v = sorted(values)
+    if not v:
+        return {"min": 0, "max": 0, "mean": 0.0, "p50": 0, "p90": 0, "p99": 0}
+    return {"min": v[0], "max": v[-1], "mean": round(sum(v) / len(v), 2),
+            "p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99)}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k) for n attempts, c correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def tape_stats(tapes: Iterable[dict]) -> dict:
+    n = 0
+    prompt_len, completion_len, total_len = [], [], []
+    rewards: Counter = Counter()
+    outcomes: Counter = Counter()
+    strict = lenient = fmt = overflow = 0
+    per_problem: dict[tuple, list[bool]] = defaultdict(list)
+    for t in tapes:
+        n += 1
+        pl, cl = len(t.get("prompt_token_ids") or []), len(t.get("completion_token_ids") or [])
+        prompt_len.append(pl)
+        completion_len.append(cl)
+        total_len.append(pl + cl)
+        rewards[float(t.get("reward", 0.0))] += 1
+        outcomes[outcome(t)] += 1
+        ans = t.get("answer") or {}
+        strict += bool(ans.get("correct_strict"))
+        lenient += bool(ans.get("correct_lenient"))
+        fmt += bool(ans.get("format"))
+        overflow += t.get("finish_reason") == "length"
+        per_problem[(t.get("iteration", 0), t.get("problem_id"))].append(bool(t.get("correct")))
+    result = {
+        "kind": "tapes",
+        "count": n,
+        "problems": len(per_problem),
+        "accuracy_strict": round(strict / n, 4) if n else 0.0,
+        "accuracy_lenient": round(lenient / n, 4) if n else 0.0,
+        "format_rate": round(fmt / n, 4) if n else 0.0,
+        "overflow_rate": round(overflow / n, 4) if n else 0.0,
+        "mean_reward": round(sum(r * c for r, c in rewards.items()) / n, 4) if n else 0.0,
+        "reward_histogram": {str(r): c for r, c in sorted(rewards.items())},
+        "outcomes": dict(sorted(outcomes.items())),
+        "tokens": {"prompt": length_summary(prompt_len), "completion": length_summary(completion_len),
+                   "total": length_summary(total_len)},
+        "pass_at_k": {},
+    }
+    if per_problem:
+        attempts = min(len(v) for v in per_problem.values())
+        ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= attempts]
+        if attempts not in ks:
+            ks.append(attempts)
+        for k in ks:
+            vals = [pass_at_k(len(v), sum(v), k) for v in per_problem.values()]
+            result["pass_at_k"][str(k)] = round(sum(vals) / len(vals), 4)
+    return result
+
+
+def is_samples_record(record: dict) -> bool:
+    return "input_ids" in record and "completion_token_ids" not in record
+
+
+def file_stats(records: Iterable[dict]) -> dict:
+    """Stats of a tapes or a samples stream, told apart by the first record."""
+    it = iter(records)
+    first = next(it, None)
+    if first is None:
+        return {"kind": "empty", "count": 0}
+
+    def chain():
+        yield first
+        yield from it
+
+    if is_samples_record(first):
+        from gsm8kctl.stages.filter import samples_stats
+
+        return samples_stats(chain())
+    return tape_stats(chain())
+
+
+def render_table(stats: dict, title: str) -> None:
+    from rich.table import Table
+
+    from gsm8kctl.progress import console
+
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in stats.items():
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            for sub, summ in value.items():
+                table.add_row(f"{key}.{sub}", " ".join(f"{k}={v}" for k, v in summ.items()))
+        elif isinstance(value, dict):
+            table.add_row(key, " ".join(f"{k}:{v}" for k, v in value.items()) or "-")
+        elif isinstance(value, float):
+            table.add_row(key, f"{value:.4f}")
+        else:
+            table.add_row(key, str(value))
+    console.print(table)

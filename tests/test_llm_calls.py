@@ -1,0 +1,56 @@
+import sqlite_utils
+
+from gsm8kctl import llm_calls
+
+SCHEMA = """CREATE TABLE "llm_calls" (
+   "id" TEXT PRIMARY KEY,
+   "tape_id" TEXT,
+   "created" REAL,
+   "backend" TEXT,
+   "model" TEXT,
+   "prompt" TEXT,
+   "prompt_text" TEXT,
+   "completion" TEXT,
+   "params" TEXT,
+   "prompt_tokens" INTEGER,
+   "completion_tokens" INTEGER,
+   "latency_s" REAL,
+   "finish_reason" TEXT
+)"""
+
+
+def _record(i: int) -> dict:
+    return llm_calls.call_record(call_id=f"c{i}", tape_id=f"t{i % 3}", backend="transformers", model="m",
+                                 messages=[{"role": "user", "content": "q"}], prompt_text="q",
+                                 completion="a", params={"n": 1}, prompt_tokens=3, completion_tokens=2,
+                                 latency_s=0.1, finish_reason="stop", created=1000.0 + i)
+
+
+def test_final_schema_and_indexes(tmp_path):
+    db = llm_calls.open_log(tmp_path / "calls.sqlite")
+    assert db["llm_calls"].schema == SCHEMA
+    # ("id",) is the primary key's own index.
+    assert {tuple(i.columns) for i in db["llm_calls"].indexes} == {("id",), ("tape_id",), ("created",)}
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_upgrade_from_oldest_schema(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite_utils.Database(path)
+    llm_calls.m001_create_llm_calls(db)  # a log made before the created index existed
+    db["_sqlite_migrations"].insert({"migration_set": "gsm8kctl.llm_calls", "name": "m001_create_llm_calls",
+                                     "applied_at": "2026-01-01"}, alter=True)
+    db["llm_calls"].insert(_record(1))
+    db.close()
+    db = llm_calls.open_log(path)
+    assert ("created",) in {tuple(i.columns) for i in db["llm_calls"].indexes}
+    assert db["llm_calls"].count == 1
+
+
+def test_rerun_replaces_not_duplicates(tmp_path):
+    db = llm_calls.open_log(tmp_path / "c.sqlite")
+    llm_calls.insert_calls(db, [_record(i) for i in range(6)])
+    llm_calls.insert_calls(db, [_record(i) for i in range(3)])
+    assert db["llm_calls"].count == 6
+    conn = llm_calls.open_readonly(tmp_path / "c.sqlite")
+    assert [c["id"] for c in llm_calls.calls_for_tape(conn, "t1")] == ["c1", "c4"]
