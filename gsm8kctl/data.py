@@ -1,4 +1,4 @@
-"""GSM8k problems with stable ids (`train-00042`), from a local directory or the hub."""
+"""GSM8k problems with stable ids (`train-00042`), from a local directory or the hub (`datasets`)."""
 
 from __future__ import annotations
 
@@ -24,35 +24,29 @@ def data_dir_from(explicit: str | None) -> Path | None:
 def _load_split(split: str, data_dir: str | None) -> tuple[dict, ...]:
     if split not in SPLITS:
         raise UserError(f"unknown split '{split}'; choose train or test")
-    import datasets
-
-    datasets.disable_progress_bars()
     if data_dir is not None:
         path = Path(data_dir) / f"{split}.jsonl"
         if not path.exists():
             raise UserError(f"{path}: no such file (--data-dir / GSM8K_DIR must hold train.jsonl and test.jsonl)")
-        _check_jsonl(path)
-        rows = datasets.load_dataset("json", data_files=str(path), split="train")
+        rows = _read_local(path)
     else:
-        try:
-            rows = datasets.load_dataset(*HUB_DATASET, split=split)
-        except Exception as exc:  # offline, hub down: say what to do instead
-            raise UserError(f"could not load {HUB_DATASET[0]} from the hub ({type(exc).__name__}); "
-                            "set GSM8K_DIR or --data-dir to a directory with train.jsonl/test.jsonl") from None
-    problems = []
-    for i, row in enumerate(rows):
-        problems.append({
-            "id": f"{split}-{i:05d}",
-            "split": split,
-            "question": row["question"],
-            "solution": row["answer"],
-            "gold": parse_gold(row["answer"]),
-        })
-    return tuple(problems)
+        rows = _read_hub(split)
+    return tuple({
+        "id": f"{split}-{i:05d}",
+        "split": split,
+        "question": row["question"],
+        "solution": row["answer"],
+        "gold": parse_gold(row["answer"]),
+    } for i, row in enumerate(rows))
 
 
-def _check_jsonl(path: Path) -> None:
-    """`datasets` reports a bad line without its number; find it ourselves first."""
+def _read_local(path: Path) -> list[dict]:
+    """openai/grade-school-math JSONL, checked line by line so a bad line is named `file:line`.
+
+    Read directly rather than through `datasets`: 7.5k lines parse in ~50 ms, and `datasets`
+    would report a broken line without its number (and is not installed everywhere we run).
+    """
+    rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -65,6 +59,19 @@ def _check_jsonl(path: Path) -> None:
                 raise UserError(f"{path}:{lineno}: expected an object with 'question' and 'answer'")
             if "####" not in row["answer"]:
                 raise UserError(f"{path}:{lineno}: answer has no '#### N' final line")
+            rows.append(row)
+    return rows
+
+
+def _read_hub(split: str) -> list[dict]:
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        return list(datasets.load_dataset(*HUB_DATASET, split=split))
+    except Exception as exc:  # offline, hub down, datasets missing: say what to do instead
+        raise UserError(f"could not load {HUB_DATASET[0]} from the hub ({type(exc).__name__}); "
+                        "set GSM8K_DIR or --data-dir to a directory with train.jsonl/test.jsonl") from None
 
 
 def load_problems(split: str, data_dir: str | None = None) -> list[dict]:

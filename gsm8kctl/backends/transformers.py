@@ -50,6 +50,13 @@ class TransformersBackend:
         self.score_token_budget = score_token_budget or cfg.get("filter", {}).get("score_token_budget", 16384)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        # CUDA decode is launch-bound (67 ms per step for a 135M model with a dynamic cache): a
+        # static KV cache and a compiled, CUDA-graphed step measured ~8x on an H200. On CPU the
+        # dynamic cache with finished rows dropped is faster (no padding work, no compile).
+        static = cfg.get("transformers", {}).get("static_cache", "auto") if cfg else "auto"
+        self.static_cache = (self.device == "cuda") if static == "auto" else bool(static)
+        self.compile = self.static_cache and self.device == "cuda"
+        self._step_fn = None
 
     # ---------------------------------------------------------------- sampling
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -62,7 +69,8 @@ class TransformersBackend:
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
             t0 = time.perf_counter()
-            results = self._decode([rows[k][1] for k in idx], params, gen)
+            decode = self._decode_static if self.static_cache else self._decode
+            results = decode([rows[k][1] for k in idx], params, gen)
             latency = time.perf_counter() - t0
             for k, (ids, lps, finish) in zip(idx, results):
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -121,6 +129,69 @@ class TransformersBackend:
                                     use_cache=True).logits[:, -1, :]
             next_pos = next_pos + 1
         return [(tokens[r], lps[r], finish[r]) for r in range(len(prompts))]
+
+    @torch.inference_mode()
+    def _decode_static(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator):
+        """Fixed shapes end to end: batch padded to `batch_size`, cache length bucketed, so the
+        compiled step is captured once and replayed (CUDA graphs) at every token."""
+        from transformers import StaticCache
+
+        dev, rows = self.device, len(prompts)
+        batch = self.batch_size if self.compile else rows
+        # Bucket the prompt width so a new width rarely means a new compilation.
+        width = -(-max(len(p) for p in prompts) // 128) * 128
+        cache_len = width + params.max_tokens
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((batch, cache_len), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            attn[r, width - len(p):width] = 1
+        attn[rows:, width - 1:width] = 1  # filler rows attend to one pad token: no empty softmax
+        ids, attn = ids.to(dev), attn.to(dev)
+        positions = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
+        cache = StaticCache(config=self.model_obj.config, max_cache_len=cache_len)
+        logits = self.model_obj(input_ids=ids, attention_mask=attn, position_ids=positions,
+                                cache_position=torch.arange(width, device=dev), past_key_values=cache,
+                                use_cache=True).logits[:, -1, :]
+        step_fn = self._compiled_step() if self.compile else self._eager_step
+        next_pos = positions[:, -1:] + 1
+        stop = torch.tensor(self.stop_ids, device=dev)
+        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        finished[rows:] = True
+        tokens, lps = [], []
+        for step in range(params.max_tokens):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            chosen = self._pick(logits.float(), params, gen)
+            tokens.append(chosen)
+            lps.append(logp.gather(-1, chosen[:, None]).squeeze(-1))
+            finished |= torch.isin(chosen, stop)
+            # One host sync every 16 steps: checking every step would stall the GPU queue.
+            if step == params.max_tokens - 1 or (step % 16 == 15 and bool(finished.all())):
+                break
+            attn[:, width + step] = 1
+            cache_position = torch.tensor([width + step], device=dev)
+            logits = step_fn(chosen[:, None], next_pos, cache_position, attn, cache)
+            next_pos = next_pos + 1
+        tok = torch.stack(tokens, 1).tolist()
+        lp = torch.stack(lps, 1).tolist()
+        stop_set = set(self.stop_ids)
+        results = []
+        for r in range(rows):
+            end = next((i for i, t in enumerate(tok[r]) if t in stop_set), None)
+            if end is None:
+                results.append((tok[r], lp[r], "length"))
+            else:  # keep the stop token, as the dynamic path does
+                results.append((tok[r][:end + 1], lp[r][:end + 1], "stop"))
+        return results
+
+    def _eager_step(self, ids, position_ids, cache_position, attn, cache):
+        return self.model_obj(input_ids=ids, position_ids=position_ids, cache_position=cache_position,
+                              attention_mask=attn, past_key_values=cache, use_cache=True).logits[:, -1, :]
+
+    def _compiled_step(self):
+        if self._step_fn is None:
+            self._step_fn = torch.compile(self._eager_step, mode="reduce-overhead", fullgraph=False)
+        return self._step_fn
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
