@@ -1,0 +1,514 @@
+"""`gather-tapes`: collect tapes from files and directories into one JSONL file.
+
+Reads, by content rather than by file name:
+- this project's tapes, one JSON object per line (`tapes.jsonl`) or as a JSON list / single object;
+- TapeAgents tapes (the system users migrate from): a JSON list of
+  `{metadata: {id, parent_id, author, result, ...}, context, steps: [{metadata: {id, prompt_id,
+  node, agent, other}, kind, ...}]}`, as `examples/rl_gsm8k` wrote them to
+  `tapes/<split>/<iteration>/tapes.json` (also JSONL, or YAML documents).
+
+TapeAgents tapes are mapped into the tape schema of `gsm8kctl.tapes`: the `task` step gives the
+question (and the gold value in its `metadata.other`), `reasoning_thought*` steps the completion,
+`answer_action` / `final_answer_action` / a `value` on the last reasoning step the answer; reward
+and correctness come from `metadata.result` where present, else from the rule rl_gsm8k used
+(parse failure -1, answer equal to gold +1, else 0). Step kinds we do not know are kept verbatim.
+
+Tapes are deduplicated by id (the first one read wins), so gathering the same run twice, or a run
+together with an earlier gathered file, never duplicates a tape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+from rich.markup import escape
+
+from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import write_jsonl
+from gsm8kctl.progress import console
+from gsm8kctl.tapes import TAPE_KEYS
+
+# What a directory walk reads; files named explicitly are read whatever their name.
+_WALK_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml")
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+# TapeAgents step kinds (examples/gsm8k_tuning and examples/rl_gsm8k).
+_TASK_KINDS = {"task"}
+_REASONING_KINDS = {"reasoning_thought", "reasoning_thought_with_value"}
+_ANSWER_KINDS = {"answer_action", "final_answer_action"}
+_FAILURE_KINDS = {"llm_output_parsing_failure_action", "agent_response_parsing_failure_action"}
+
+# rl_gsm8k wrote tapes to .../tapes/<split>/<iteration>/tapes.json; our runs use
+# iterations/0003/ and eval/0003/.
+_SPLIT_DIRS = {"train": "train", "test": "test", "eval": "test", "iterations": "train"}
+
+
+@dataclass
+class SourceCount:
+    source: str
+    files: int = 0
+    tapes: int = 0
+    written: int = 0
+    duplicates: int = 0
+    skipped: int = 0  # unreadable files
+    ignored: int = 0  # readable files without tapes (samples.jsonl, stats.json, config.yaml...)
+    layouts: Counter = field(default_factory=Counter)
+
+
+def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
+    """Read every tape under `sources`, write the unique ones to `out` (`-` = stdout).
+
+    Returns `{"out", "written", "duplicates", "sources": [per-source counts], "skipped":
+    [{"path", "reason"}], "ignored": [paths]}`. A file that cannot be read is skipped with a
+    warning naming it; if no tape at all could be read, nothing is written and UserError is raised.
+    """
+    if not sources:
+        raise UserError("gather-tapes needs at least one source file or directory")
+    if sources.count("-") > 1:
+        raise UserError("'-' (stdin) can be given only once")
+    for s in sources:
+        if s != "-" and not Path(s).exists():
+            raise UserError(f"{s}: no such file or directory")
+    out_resolved = None if out == "-" else Path(out).resolve()
+
+    def warn(message: str) -> None:
+        if not quiet:
+            console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
+    counts = [SourceCount(s) for s in sources]
+    skipped: list[dict] = []
+    ignored: list[str] = []
+    seen: set[str] = set()
+
+    status = console.status("gathering tapes") if not quiet and console.is_terminal else None
+
+    def records() -> Iterator[dict]:
+        for count in counts:
+            for path, explicit in _files_of(count.source, out_resolved):
+                count.files += 1
+                if status is not None:
+                    status.update(f"gathering tapes: {escape(_shown(path))} ({len(seen)} so far)")
+                n_before = count.tapes
+                try:
+                    for tape, layout in _tapes_in(path, warn):
+                        count.tapes += 1
+                        count.layouts[layout] += 1
+                        if tape["id"] in seen:
+                            count.duplicates += 1
+                            continue
+                        seen.add(tape["id"])
+                        count.written += 1
+                        yield tape
+                except _Unreadable as exc:
+                    count.skipped += 1
+                    skipped.append({"path": str(path), "reason": str(exc)})
+                    warn(f"skipped {_shown(path)}: {exc}")
+                    continue
+                if count.tapes == n_before:
+                    count.ignored += 1
+                    ignored.append(str(path))
+                    if explicit:  # a file named on the command line is expected to hold tapes
+                        warn(f"{_shown(path)}: no tapes in it")
+
+    # Look ahead one record so that nothing (not even an empty file) is written when no tape
+    # could be read: the user gets an error and their previous output stays as it was.
+    if status is not None:
+        status.start()
+    try:
+        it = records()
+        first = next(it, None)
+        if first is not None:
+            written = write_jsonl(out, _chain(first, it))
+    finally:
+        if status is not None:
+            status.stop()
+    if first is None:
+        detail = []
+        if skipped:
+            detail.append(f"{len(skipped)} unreadable file(s) skipped")
+        if ignored:
+            detail.append(f"{len(ignored)} file(s) without tapes")
+        more = f" ({', '.join(detail)})" if detail else ""
+        raise UserError(f"no tapes found in {', '.join(sources)}{more}")
+    result = {
+        "out": out,
+        "written": written,
+        "duplicates": sum(c.duplicates for c in counts),
+        "sources": [
+            {"source": c.source, "files": c.files, "tapes": c.tapes, "written": c.written,
+             "duplicates": c.duplicates, "skipped": c.skipped, "ignored": c.ignored,
+             "layouts": dict(c.layouts)}
+            for c in counts
+        ],
+        "skipped": skipped,
+        "ignored": ignored,
+    }
+    if not quiet:
+        _report(result)
+    return result
+
+
+def _chain(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
+    yield first
+    yield from rest
+
+
+def _shown(path: Path | str) -> str:
+    return "<stdin>" if path == "-" else str(path)
+
+
+def _report(result: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"gather-tapes -> {escape(result['out'])}", header_style="bold")
+    cols = ("source", "files", "tapes", "written", "duplicates", "skipped", "ignored", "layouts")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("source", "layouts") else "right")
+    for s in result["sources"]:
+        layouts = " ".join(f"{k}:{v}" for k, v in sorted(s["layouts"].items())) or "-"
+        table.add_row(escape(s["source"]), *(str(s[c]) for c in cols[1:-1]), layouts)
+    console.print(table)
+    console.print(f"wrote {result['written']} tapes ({result['duplicates']} duplicates dropped, "
+                  f"{len(result['skipped'])} unreadable files skipped)", highlight=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Finding and parsing files
+
+
+class _Unreadable(Exception):
+    """The file cannot be read as JSON / JSONL / YAML at all."""
+
+
+_NOT_JSON = object()
+
+
+def _files_of(source: str, out_resolved: Path | None) -> Iterator[tuple[Path | str, bool]]:
+    """Files of one source, in a stable order; (path, named explicitly)."""
+    if source == "-":
+        yield "-", True
+        return
+    p = Path(source)
+    if p.is_file():
+        yield p, True
+        return
+    for f in sorted(p.rglob("*")):
+        rel = f.relative_to(p).parts
+        # Hidden files and dirs include the temp files of atomic writers (.tapes.jsonl.x.tmp).
+        if any(part.startswith(".") for part in rel) or not f.is_file():
+            continue
+        if f.suffix.lower() not in _WALK_SUFFIXES:
+            continue
+        if out_resolved is not None and f.resolve() == out_resolved:
+            continue  # our own previous output inside a source directory
+        yield f, False
+
+
+def _open_binary(path: Path | str) -> BinaryIO:
+    if path == "-":
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise _Unreadable(exc.strerror or str(exc)) from None
+
+
+def _decode(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Unreadable(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _records(path: Path | str, warn: Callable[[str], None]) -> Iterator[Any]:
+    """JSON values in a file: JSONL lines (streamed), a JSON document, or YAML documents.
+
+    Whether the file is readable is decided before the first value is yielded, so a caller
+    never gets part of an unreadable file.
+    """
+    suffix = "" if path == "-" else Path(path).suffix.lower()
+    f = _open_binary(path)
+    try:
+        if suffix in _YAML_SUFFIXES:
+            import yaml
+
+            try:
+                docs = list(yaml.safe_load_all(_decode(f.read())))
+            except yaml.YAMLError as exc:
+                raise _Unreadable(f"invalid YAML ({str(exc).splitlines()[0]})") from None
+            for doc in docs:
+                yield from (doc if isinstance(doc, list) else [doc])
+            return
+        first = b""
+        lineno = 0
+        for raw in f:
+            lineno += 1
+            if raw.strip():
+                first = raw
+                break
+        if not first:
+            return  # empty file
+        try:
+            value = json.loads(_decode(first))
+        except json.JSONDecodeError:
+            value = _NOT_JSON
+        if value is _NOT_JSON or first.lstrip().startswith(b"["):
+            # One JSON document over many lines (a list of tapes, a pretty-printed tape).
+            try:
+                whole = json.loads(_decode(first + f.read()))
+            except json.JSONDecodeError as exc:
+                raise _Unreadable(f"not JSON or JSONL (line {exc.lineno + lineno - 1}: {exc.msg})") from None
+            yield from (whole if isinstance(whole, list) else [whole])
+            return
+        # JSONL, streamed: a bad line (a writer killed mid-line) loses that line, not the file.
+        yield value
+        bad, first_bad = 0, ""
+        for raw in f:
+            lineno += 1
+            if not raw.strip():
+                continue
+            try:
+                yield json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                bad += 1
+                first_bad = first_bad or f"line {lineno}: {getattr(exc, 'msg', None) or exc.reason}"
+        if bad:
+            warn(f"{path}: skipped {bad} invalid line(s), first at {first_bad}")
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+
+
+def _tapes_in(path: Path | str, warn: Callable[[str], None]) -> Iterator[tuple[dict, str]]:
+    """(tape in our schema, layout name) for every tape in one file."""
+    hint = _path_hint(path)
+    attempts: Counter = Counter()
+    for value in _records(path, warn):
+        if _is_tapeagents(value):
+            yield _from_tapeagents(value, hint, attempts), "tapeagents"
+        elif _is_ours(value):
+            yield _from_ours(value, hint), "gsm8kctl"
+
+
+# --------------------------------------------------------------------------------------------
+# Our own tapes (any earlier layout: missing keys are filled, nothing is dropped)
+
+
+def _is_ours(v: Any) -> bool:
+    # Training samples (input_ids, labels) and metrics lines are not tapes.
+    return (isinstance(v, dict) and isinstance(v.get("id"), (str, int)) and not isinstance(v.get("id"), bool)
+            and ("question" in v or isinstance(v.get("steps"), list))
+            and "input_ids" not in v and not isinstance(v.get("metadata"), dict))
+
+
+def _from_ours(v: dict, hint: dict) -> dict:
+    tape = {k: v.get(k) for k in TAPE_KEYS}
+    tape["id"] = str(v["id"])
+    steps = v.get("steps") or []
+    if tape["question"] is None:
+        tape["question"] = next((s.get("text") for s in steps
+                                 if isinstance(s, dict) and s.get("kind") == "question"), None)
+    if tape["iteration"] is None:
+        tape["iteration"] = hint.get("iteration", 0)
+    if tape["split"] is None:
+        tape["split"] = hint.get("split", "unknown")
+    if tape["steps"] is None:
+        tape["steps"] = []
+    if tape["answer"] is None:
+        tape["answer"] = {}
+    if tape["reward"] is None:
+        tape["reward"] = 1.0 if v.get("correct") else 0.0
+    if tape["correct"] is None:
+        tape["correct"] = bool(tape["reward"] and tape["reward"] > 0)
+    # Extra keys of the record (n_messages, anything newer) travel along after the schema keys.
+    for k, val in v.items():
+        if k not in tape:
+            tape[k] = val
+    return tape
+
+
+# --------------------------------------------------------------------------------------------
+# TapeAgents tapes
+
+
+def _is_tapeagents(v: Any) -> bool:
+    return (isinstance(v, dict) and isinstance(v.get("metadata"), dict)
+            and isinstance(v.get("steps"), list)
+            and all(isinstance(s, dict) and "kind" in s for s in v["steps"]))
+
+
+def _path_hint(path: Path | str) -> dict:
+    """Iteration and split from a file's place: .../tapes/train/3/tapes.json, iterations/0003/."""
+    if path == "-":
+        return {}
+    parts = Path(path).parts
+    hint: dict = {}
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i].isdigit() and parts[i - 1] in _SPLIT_DIRS:
+            hint = {"iteration": int(parts[i]), "split": _SPLIT_DIRS[parts[i - 1]]}
+            break
+    return hint
+
+
+def _num_text(value: Any) -> str | None:
+    """A TapeAgents answer value (72, 72.0, "1,234") as our answer text ("72", "1234")."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        value = value.strip().replace(",", "")
+        try:
+            value = float(value)
+        except ValueError:
+            return value or None
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if float(value).is_integer():
+            return str(int(value))
+        return repr(float(value))
+    return None
+
+
+def _same_number(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return a == b
+    return abs(x - y) <= 1e-9 * max(1.0, abs(y))
+
+
+_GOLD_RE = re.compile(r"####\s*(.+?)\s*$", re.MULTILINE)
+
+
+def _gold_of(other: dict, result: dict) -> str | None:
+    for src in (other, result):
+        if "value" in src:
+            gold = _num_text(src["value"])
+            if gold is not None:
+                return gold
+    for src in (other, result):
+        found = _GOLD_RE.findall(str(src.get("answer", "")))
+        if found:
+            return _num_text(found[-1])
+    return None
+
+
+def _reward_from_result(result: Any) -> tuple[float | None, bool | None]:
+    """(reward, correct) as recorded in a tape's `metadata.result`, where it says."""
+    if isinstance(result, bool):
+        return (1.0 if result else 0.0), result
+    if isinstance(result, (int, float)) and math.isfinite(result):
+        return float(result), result > 0
+    if not isinstance(result, dict):
+        return None, None
+    reward = result.get("reward")
+    reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+    correct = None
+    for key in ("correct", "solved", "success"):
+        if isinstance(result.get(key), (bool, int)):
+            correct = bool(result[key])
+            break
+    if reward is None and correct is not None:
+        reward = 1.0 if correct else 0.0
+    if correct is None and reward is not None:
+        correct = reward > 0
+    return reward, correct
+
+
+def _from_tapeagents(v: dict, hint: dict, attempts: Counter) -> dict:
+    meta = v["metadata"]
+    result = meta.get("result")
+    result_dict = result if isinstance(result, dict) else {}
+    question, other, value, parse_failed = None, {}, None, False
+    steps: list[dict] = []
+    completion_parts: list[str] = []
+    for s in v["steps"]:
+        kind = s.get("kind")
+        smeta = s.get("metadata") if isinstance(s.get("metadata"), dict) else {}
+        if kind in _TASK_KINDS and question is None:
+            question = str(s.get("task", ""))
+            other = smeta.get("other") if isinstance(smeta.get("other"), dict) else {}
+            steps.append({"kind": "question", "text": question})
+        elif kind in _REASONING_KINDS:
+            text = str(s.get("reasoning", ""))
+            completion_parts.append(text)
+            steps.append({"kind": "reasoning", "text": text,
+                          "llm_call_id": smeta.get("prompt_id") or None})
+            if "value" in s:
+                value = s["value"]
+        elif kind in _ANSWER_KINDS:
+            value = s.get("value", s.get("text"))
+            steps.append({"kind": "answer", "text": _num_text(value) or str(s.get("text", ""))})
+        else:
+            if kind in _FAILURE_KINDS:
+                parse_failed = True
+            steps.append(s)  # unknown kinds verbatim
+    if question is None:
+        question = str(result_dict.get("question", "")) or None
+    gold = _gold_of(other, result_dict)
+    answer = _num_text(value)
+    reward, correct = _reward_from_result(result)
+    if reward is None:
+        # The rule examples/rl_gsm8k applied: a parse failure is -1, the right value +1.
+        if parse_failed:
+            reward, correct = -1.0, False
+        else:
+            correct = _same_number(answer, gold)
+            reward = 1.0 if correct else 0.0
+    if parse_failed:
+        reason = "TapeAgents: the agent's output could not be parsed"
+    elif answer is None:
+        reason = "TapeAgents: no answer value"
+    else:
+        reason = f"TapeAgents: answer {answer} vs gold {gold}"
+
+    # Attempts at one problem share the problem's question; the problem id is stable across
+    # iterations and files (TapeAgents' parent_id changes with every iteration).
+    if question:
+        problem_id = "q-" + hashlib.sha1(question.encode("utf-8")).hexdigest()[:12]
+    else:
+        problem_id = str(meta.get("parent_id") or meta.get("id"))
+    attempt = attempts[problem_id]
+    attempts[problem_id] += 1
+    tape_id = meta.get("id") or "ta-" + hashlib.sha1(
+        json.dumps(v, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+    tape = {
+        "id": str(tape_id),
+        "iteration": hint.get("iteration", result_dict.get("iteration", 0)),
+        "split": hint.get("split", result_dict.get("split", "unknown")),
+        "problem_id": problem_id,
+        "attempt": attempt,
+        "model": meta.get("author"),
+        "question": question,
+        "gold": gold,
+        "steps": steps,
+        "answer": {
+            "strict": None,
+            "lenient": answer,
+            "format": False,
+            "correct_strict": False,
+            "correct_lenient": bool(correct),
+            "reason": reason,
+        },
+        "correct": bool(correct),
+        "reward": reward,
+        "finish_reason": None,
+        "prompt_token_ids": None,
+        "completion_token_ids": None,
+        "logprobs": None,
+        "created": None,
+        "source": {"format": "tapeagents", "metadata": meta, "context": v.get("context")},
+    }
+    if "no_overflow" in result_dict and not result_dict["no_overflow"]:
+        tape["finish_reason"] = "length"
+    return tape
