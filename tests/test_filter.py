@@ -1,0 +1,288 @@
+"""filter on hand-made tapes: counts, dedupe, caps, uniform groups, KL shaping, gold formatting, errors."""
+
+import io
+import json
+import math
+import os
+
+import pytest
+
+from gsm8kctl.config import load_config
+from gsm8kctl.errors import UserError
+from gsm8kctl.samples import read_samples, samples_stats
+from gsm8kctl.stages import filter as flt
+
+PROMPT = [1, 2, 3]
+
+
+def tape(pid, attempt, reward, completion, iteration=3, logprobs="auto", finish="stop", correct=None):
+    if logprobs == "auto":
+        logprobs = [-0.5] * len(completion)
+    return {
+        "id": f"{pid}-i{iteration:04d}-a{attempt:02d}-abc123", "iteration": iteration, "split": "train",
+        "problem_id": pid, "attempt": attempt, "model": "m", "question": "q", "gold": "1",
+        "answer": {"strict": "1" if reward > 0 else ("2" if reward == 0 else None), "lenient": None},
+        "correct": reward > 0 if correct is None else correct, "reward": reward, "finish_reason": finish,
+        "prompt_token_ids": PROMPT, "completion_token_ids": completion, "logprobs": logprobs,
+    }
+
+
+def tapes_fixture():
+    return [
+        # train-00001: two successes with the same completion, a wrong one, an overflow
+        tape("train-00001", 0, 1.0, [10, 11]),
+        tape("train-00001", 1, 1.0, [10, 11]),
+        tape("train-00001", 2, 0.0, [12]),
+        tape("train-00001", 3, -1.0, [13, 14, 15], finish="length"),
+        # train-00002: all correct (uniform), distinct completions
+        tape("train-00002", 0, 1.0, [20]),
+        tape("train-00002", 1, 1.0, [21]),
+        tape("train-00002", 2, 1.0, [22]),
+        # train-00003: all wrong (uniform)
+        tape("train-00003", 0, 0.0, [30]),
+        tape("train-00003", 1, 0.0, [31]),
+    ]
+
+
+@pytest.fixture
+def cfg():
+    return load_config()
+
+
+def test_rejection_counts_dedupe_and_report(cfg):
+    samples, rep = flt.filter_tapes(tapes_fixture(), cfg, mode="rejection")
+    assert [s["id"][:13] for s in samples] == ["train-00001-i", "train-00002-i", "train-00002-i", "train-00002-i"]
+    assert rep.tapes == 9 and rep.kept == 4 and rep.groups == 3
+    assert rep.uniform_groups == 2 and rep.uniform_all_correct == 1
+    assert rep.dropped == {"duplicate completion": 1, "not rewarded (wrong)": 3, "not rewarded (overflow)": 1}
+    s = samples[0]
+    assert s["input_ids"] == [1, 2, 3, 10, 11] and s["prompt_len"] == 3
+    assert s["group_id"] == "i0003/train-00001" and s["tape_id"] == s["id"] and s["iteration"] == 3
+    assert s["old_logprobs"] == [-0.5, -0.5] and s["ref_logprobs"] is None and s["kl"] is None
+    # advantage over the whole group (1, 1, 0, −1): mean 0.25, sample std sqrt(2.75 / 3)
+    assert s["advantage"] == pytest.approx(0.75 / (math.sqrt(2.75 / 3) + 1e-4), abs=1e-5)
+    assert s["weight"] == s["advantage"]  # use_advantages is on by default
+    assert samples[1]["advantage"] == 0.0  # uniform group
+    assert set(s) >= {"id", "tape_id", "problem_id", "group_id", "iteration", "model", "input_ids",
+                      "prompt_len", "old_logprobs", "ref_logprobs", "reward", "advantage", "weight"}
+
+
+def test_max_per_problem_and_drop_uniform(cfg):
+    samples, rep = flt.filter_tapes(tapes_fixture(), cfg, mode="rejection", max_per_problem=2)
+    assert len(samples) == 3 and rep.dropped["over max_per_problem=2"] == 1
+    samples, rep = flt.filter_tapes(tapes_fixture(), cfg, mode="rejection", drop_uniform_groups=True)
+    assert [s["problem_id"] for s in samples] == ["train-00001"]
+    assert rep.dropped["uniform group"] == 5 and rep.uniform_dropped
+
+
+def test_mode_all_keeps_every_attempt_with_reward_weights(cfg):
+    cfg["finetune"]["rl"]["use_advantages"] = False
+    samples, rep = flt.filter_tapes(tapes_fixture(), cfg, mode="all")
+    assert len(samples) == 9 and not rep.dropped  # duplicates are independent draws here
+    assert [s["weight"] for s in samples] == [1, 1, 0, -1, 1, 1, 1, 0, 0]
+    # mode follows use_rejection_sampling when not given
+    cfg["use_rejection_sampling"] = False
+    assert flt.filter_tapes(tapes_fixture(), cfg)[1].mode == "all"
+
+
+def test_dedupe_is_per_problem_across_iterations_and_duplicate_tape_ids(cfg):
+    ts = [tape("train-00001", 0, 1.0, [10]), tape("train-00001", 0, 1.0, [10], iteration=4),
+          tape("train-00002", 0, 1.0, [10]), tape("train-00002", 0, 1.0, [10])]
+    samples, rep = flt.filter_tapes(ts, cfg, mode="rejection")
+    assert [s["group_id"] for s in samples] == ["i0003/train-00001", "i0003/train-00002"]
+    assert rep.dropped == {"duplicate completion": 1, "duplicate tape id": 1}
+    samples, rep = flt.filter_tapes([tape("train-00001", 0, 1.0, [])], cfg, mode="all")
+    assert samples == [] and rep.dropped == {"empty completion": 1}
+
+
+class FakeScorer:
+    """Reference log-prob −1 for every token; records the calls (to check chunking)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prompts, completions):
+        self.calls.append(len(prompts))
+        return [[-1.0] * len(c) for c in completions]
+
+
+def test_implicit_kl_folds_into_reward_before_advantages(cfg):
+    rl = cfg["finetune"]["rl"]
+    rl["implicit_kl_coef"], rl["use_advantages"] = 0.5, False
+    cfg["filter"]["score_token_budget"] = 10  # 3-5 tokens per row: 2-3 rows per call
+    ts = [tape("train-00001", 0, 1.0, [10, 11], logprobs=[-0.5, -0.5]),   # k1 KL = Σ(old − ref) = 1
+          tape("train-00001", 1, 0.0, [12], logprobs=[-2.0])]            # k1 KL = −1
+    scorer = FakeScorer()
+    samples, rep = flt.filter_tapes(ts, cfg, mode="all", scorer=scorer)
+    assert [s["kl"] for s in samples] == [1.0, -1.0]
+    assert [s["weight"] for s in samples] == [0.5, 0.5]  # 1 − 0.5·1, 0 − 0.5·(−1)
+    assert samples[0]["ref_logprobs"] == [-1.0, -1.0] and rep.scored == 2
+    assert samples[0]["reward"] == 1.0  # the task reward stays; the shaped one is the weight
+    # k3: Σ exp(ref−old) − (ref−old) − 1
+    rl["implicit_kl_estimator"] = "k3"
+    samples, _ = flt.filter_tapes(ts, cfg, mode="all", scorer=FakeScorer())
+    k3_a = 2 * (math.exp(-0.5) + 0.5 - 1)
+    assert samples[0]["kl"] == pytest.approx(k3_a, abs=1e-6)
+    assert samples[0]["weight"] == pytest.approx(1 - 0.5 * k3_a, abs=1e-6)
+    # same rewards after shaping → zero advantages with use_advantages
+    rl["implicit_kl_estimator"], rl["use_advantages"] = "k1", True
+    samples, _ = flt.filter_tapes(ts, cfg, mode="all", scorer=FakeScorer())
+    assert [s["advantage"] for s in samples] == [0.0, 0.0]
+
+
+def test_reference_scores_only_kept_samples_in_chunks(cfg):
+    cfg["filter"]["score_token_budget"] = 5  # one row (≥ 4 tokens) per call
+    scorer = FakeScorer()
+    samples, rep = flt.filter_tapes(tapes_fixture(), cfg, mode="rejection", scorer=scorer)
+    assert rep.scored == 4 and scorer.calls == [1, 1, 1, 1]
+    assert all(s["ref_logprobs"] == [-1.0] * (len(s["input_ids"]) - 3) for s in samples)
+
+
+def test_score_in_chunks_checks_the_scorer():
+    with pytest.raises(RuntimeError):
+        flt.score_in_chunks(lambda p, c: [[0.0]], [[1], [1]], [[2], [3]], 100)
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_bad_inputs_are_user_errors(tmp_path, cfg):
+    good = tape("train-00001", 0, 1.0, [10])
+    cases = {
+        "sample.jsonl": ([{"id": "x", "input_ids": [1, 2], "prompt_len": 1}], "training sample"),
+        "missing.jsonl": ([{"id": "x", "problem_id": "p"}], "missing"),
+        "lp.jsonl": ([{**good, "logprobs": [0.1, 0.2]}], "logprobs"),
+        "reward.jsonl": ([{**good, "reward": None}], "reward"),
+    }
+    for name, (records, msg) in cases.items():
+        with pytest.raises(UserError, match=msg):
+            flt.run_filter([_write(tmp_path / name, records)], str(tmp_path / "o.jsonl"), cfg, quiet=True)
+    (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n{oops\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:2: invalid JSON"):
+        flt.run_filter([str(tmp_path / "bad.jsonl")], "-", cfg, quiet=True)
+    (tmp_path / "bin.sqlite").write_bytes(b"SQLite format 3\x00\xff\xfe\x00\x81")
+    with pytest.raises(UserError, match="not a text JSONL"):
+        flt.run_filter([str(tmp_path / "bin.sqlite")], "-", cfg, quiet=True)
+    with pytest.raises(UserError, match="no such file"):
+        flt.run_filter([str(tmp_path / "nope.jsonl")], "-", cfg, quiet=True)
+    with pytest.raises(UserError, match="no tapes"):
+        flt.run_filter([], "-", cfg, quiet=True)
+    with pytest.raises(UserError, match="mode"):
+        flt.filter_tapes([good], cfg, mode="best")
+    cfg["finetune"]["rl"]["implicit_kl_coef"] = 0.1
+    with pytest.raises(UserError, match="ref-model"):
+        flt.filter_tapes([good], cfg)
+    with pytest.raises(UserError, match="no sampler logprobs"):
+        flt.filter_tapes([tape("train-00001", 0, 1.0, [10], logprobs=None)], cfg, scorer=FakeScorer())
+
+
+def test_run_filter_file_and_stdout(tmp_path, cfg, capsys, monkeypatch):
+    src = _write(tmp_path / "tapes.jsonl", tapes_fixture())
+    out = tmp_path / "samples.jsonl"
+    rep = flt.run_filter([src], str(out), cfg)
+    err = capsys.readouterr().err
+    assert "kept" in err and "duplicate completion" in err
+    assert rep.kept == 4 and len(read_samples([str(out)])) == 4
+    # rerun: same file, same content, nothing appended
+    flt.run_filter([src], str(out), cfg, quiet=True)
+    assert len(out.read_text().splitlines()) == 4
+    # stdin to stdout: stdout is data only
+    monkeypatch.setattr("sys.stdin", io.StringIO(open(src).read()))
+    flt.run_filter(["-"], "-", cfg, mode="all")
+    captured = capsys.readouterr()
+    assert [json.loads(line)["problem_id"] for line in captured.out.splitlines()].count("train-00002") == 3
+    assert "filter (all)" in captured.err
+
+
+def test_samples_stats():
+    cfg = load_config()
+    samples, _ = flt.filter_tapes(tapes_fixture(), cfg, mode="all")
+    st = samples_stats(samples)
+    assert st["count"] == 9 and st["problems"] == 3 and st["groups"] == 3
+    assert st["prompt_tokens"]["max"] == 3 and st["completion_tokens"]["max"] == 3
+    assert st["completion_tokens_sum"] == 2 + 2 + 1 + 3 + 1 + 1 + 1 + 1 + 1
+    assert st["reward"]["histogram"] == {"-1": 1, "0": 3, "1": 5}
+    assert st["with_old_logprobs"] == 9 and st["with_ref_logprobs"] == 0
+    assert st["weight"]["zero"] == 5  # two uniform groups, and the rest are non-zero
+
+
+# ---------------------------------------------------------------------------------------------
+# Gold solutions
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gsm8kctl.models import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture
+def gsm8k_dir():
+    d = os.environ.get("GSM8K_DIR", "/work/shared/data/gsm8k")
+    if not os.path.exists(os.path.join(d, "train.jsonl")):
+        pytest.skip("GSM8K_DIR with train.jsonl needed")
+    return d
+
+
+def test_gold_samples_format_and_tokens(cfg, tokenizer, gsm8k_dir):
+    from gsm8kctl.agent import build_messages
+    from gsm8kctl.chat import render_prompt
+    from gsm8kctl.data import load_problems
+
+    samples, rep = flt.gold_samples(cfg, split="train", n_problems=3, data_dir=gsm8k_dir, tokenizer=tokenizer)
+    assert rep.kept == 3 and [s["id"] for s in samples] == ["gold-train-00000", "gold-train-00001", "gold-train-00002"]
+    p = load_problems("train", gsm8k_dir)[0]
+    s = samples[0]
+    _, prompt_ids = render_prompt(tokenizer, build_messages(p["question"], task_template=cfg["agent"]["task_template"]))
+    assert s["input_ids"][:s["prompt_len"]] == prompt_ids
+    completion = s["input_ids"][s["prompt_len"]:]
+    assert completion[-1] == tokenizer.eos_token_id
+    text = tokenizer.decode(completion, skip_special_tokens=True)
+    assert "<<" not in text and "####" not in text
+    assert text.rstrip().endswith(f"The final answer is \\boxed{{{p['gold']}}}.")
+    assert (s["reward"], s["advantage"], s["weight"], s["old_logprobs"], s["group_id"]) == (
+        1.0, 0.0, 1.0, None, "gold/train-00000")
+
+
+def test_gold_prompt_is_the_samplers_prompt_with_few_shot(cfg, tokenizer, gsm8k_dir):
+    from gsm8kctl.data import load_problems
+    from gsm8kctl.stages.sample import prompt_for
+
+    train = load_problems("train", gsm8k_dir)
+    cfg["agent"]["few_shot"] = 2
+    samples, _ = flt.gold_samples(cfg, n_problems=2, data_dir=gsm8k_dir, tokenizer=tokenizer)
+    messages, _, ids = prompt_for(cfg, tokenizer, train[1], train)
+    assert samples[1]["input_ids"][:samples[1]["prompt_len"]] == ids
+    assert [m["role"] for m in messages][-3:] == ["user", "assistant", "user"]
+
+
+def test_run_filter_gold(tmp_path, cfg, tokenizer, gsm8k_dir, monkeypatch):
+    monkeypatch.setattr("gsm8kctl.models.load_tokenizer", lambda path: tokenizer)
+    out = tmp_path / "gold.jsonl"
+    rep = flt.run_filter([], str(out), cfg, gold=True, n_problems=2, data_dir=gsm8k_dir, quiet=True)
+    assert rep.kept == 2 and len(read_samples([str(out)])) == 2
+    with pytest.raises(UserError, match="takes no tapes"):
+        flt.run_filter(["x.jsonl"], str(out), cfg, gold=True)
+
+
+def test_ref_model_through_the_transformers_backend(cfg, tiny_model_dir):
+    """--ref-model opens a real backend and fills ref_logprobs through its score()."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gsm8kctl.logprobs import pad_batch, token_logprobs
+
+    cfg["finetune"]["rl"]["implicit_kl_coef"] = 0.1
+    samples, rep = flt.filter_tapes(tapes_fixture()[:4], cfg, mode="all", ref_model=tiny_model_dir,
+                                    ref_backend="transformers")
+    assert rep.scored == 4
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    s = samples[3]
+    ids, attn, comp = pad_batch([s["input_ids"][:3]], [s["input_ids"][3:]], 0)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, attn, comp)
+    assert s["ref_logprobs"] == pytest.approx(lp[comp].tolist(), abs=5e-3)  # the backend's own dtype/batching
+    assert s["kl"] == pytest.approx(sum(o - r for o, r in zip(s["old_logprobs"], s["ref_logprobs"])), abs=1e-4)
