@@ -131,6 +131,7 @@ def evaluate(
     backend: BackendOpt = None,
     limit: Annotated[Optional[int], typer.Option(help="First K test problems (default: all 1319).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option()] = None,
+    iteration: Annotated[int, typer.Option(help="Iteration number recorded in the tapes.")] = 0,
     llm_calls: CallsOpt = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
@@ -145,7 +146,7 @@ def evaluate(
     cfg = _config(config, overrides, model=model, backend=backend,
                   **{"evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
     metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
-                  calls_db=llm_calls, quiet=quiet)
+                  calls_db=llm_calls, iteration=iteration, quiet=quiet)
     if json_out:
         typer.echo(json.dumps(metrics))
     elif not quiet:
@@ -169,6 +170,129 @@ def stats(
         typer.echo(json.dumps(result))
     else:
         render_table(result, f"stats {path}")
+
+
+@app.command(name="filter")
+@_handle_errors
+def filter_(
+    tapes: Annotated[Optional[list[str]], typer.Argument(help="Tapes JSONL files or - (stdin); then key=value "
+                                                              "overrides.", show_default=False)] = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="Samples JSONL, or - for stdout.")] = "-",
+    mode: Annotated[Optional[str], typer.Option(help="rejection (reward > 0 only) | all (weighted); "
+                                                     "default from use_rejection_sampling.")] = None,
+    max_per_problem: Annotated[Optional[int], typer.Option(help="Rejection mode: keep at most K per problem.")] = None,
+    drop_uniform_groups: Annotated[Optional[bool], typer.Option("--drop-uniform-groups/--keep-uniform-groups",
+                                                                help="Drop groups whose rewards are all equal.")] = None,
+    ref_model: Annotated[Optional[str], typer.Option(help="Reference model for ref_logprobs / KL.")] = None,
+    ref_backend: Annotated[Optional[str], typer.Option(help="Backend that scores with the reference.")] = None,
+    gold: Annotated[bool, typer.Option("--gold", help="SFT samples from GSM8k gold solutions instead of tapes.")] = False,
+    split: Annotated[str, typer.Option(help="With --gold: train | test.")] = "train",
+    n_problems: Annotated[Optional[int], typer.Option(help="With --gold: the first N problems.")] = None,
+    model: ModelOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+    quiet: QuietOpt = False,
+):
+    """Turn tapes into training samples: rejection sampling, or all with advantages (+ KL)."""
+    from gsm8kctl.stages.filter import run_filter
+
+    paths, overrides = _split_paths(tapes)
+    cfg = _config(config, overrides, model=model, data_dir=str(data_dir) if data_dir else None)
+    run_filter(paths, out, cfg, mode=mode, max_per_problem=max_per_problem,
+               drop_uniform_groups=drop_uniform_groups, ref_model=ref_model, ref_backend=ref_backend,
+               gold=gold, split=split, model=model, n_problems=n_problems,
+               data_dir=str(data_dir) if data_dir else None, quiet=quiet)
+
+
+@app.command()
+@_handle_errors
+def finetune(
+    samples: Annotated[list[str], typer.Argument(help="Samples JSONL files (from filter) or -; then key=value "
+                                                      "overrides.", show_default=False)],
+    out: Annotated[str, typer.Option("--out", "-o", help="Run directory: checkpoints/, finetune/metrics.jsonl.")],
+    init: Annotated[Optional[str], typer.Option(help="Start weights when OUT has no checkpoint yet.")] = None,
+    objective: Annotated[Optional[str], typer.Option(help="sft | reinforce | grpo (default from config).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps on these samples (default: epochs).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Cap on the global optimizer step.")] = None,
+    num_processes: Annotated[Optional[int], typer.Option(help=">1: accelerate launch with N processes.")] = None,
+    model: ModelOpt = None,
+    config: ConfigOpt = None,
+    quiet: QuietOpt = False,
+):
+    """Train the latest checkpoint (or --init) on samples; resumable, multi-process with accelerate."""
+    from gsm8kctl.stages.finetune import run_finetune
+
+    paths, overrides = _split_paths(samples)
+    if not paths:
+        raise UserError("no samples files given")
+    cfg = _config(config, overrides, model=model)
+    summary = run_finetune(paths, out, cfg, init=init, objective=objective, num_processes=num_processes,
+                           steps=steps, max_steps=max_steps, quiet=quiet)
+    if not quiet and summary:
+        typer.echo(json.dumps(summary), err=True)
+
+
+@app.command(context_settings={"allow_extra_args": False})
+@_handle_errors
+def loop(
+    overrides: Overrides = None,
+    run_dir: Annotated[Path, typer.Option(help="Run directory (created; rerun the same command to resume).")] =
+    Path("runs/default"),
+    attempts: Annotated[Optional[int], typer.Option(help="Completions per training problem.")] = None,
+    iterations: Annotated[Optional[int], typer.Option(help="RL iterations.")] = None,
+    model: ModelOpt = None,
+    backend: BackendOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+    quiet: QuietOpt = False,
+):
+    """The RL loop: evaluate, sample, filter, finetune, record; crash-safe resume."""
+    from gsm8kctl.stages.loop import loop as run
+
+    cfg = _config(config, overrides, attempts=attempts, iterations=iterations, model=model, backend=backend,
+                  data_dir=str(data_dir) if data_dir else None)
+    run(cfg, str(run_dir), quiet=quiet)
+
+
+@app.command(name="gather-tapes")
+@_handle_errors
+def gather_tapes(
+    sources: Annotated[list[str], typer.Argument(help="Files and directories (searched recursively): this "
+                       "project's JSONL / JSON-list tapes, TapeAgents JSON/JSONL/YAML tapes; - reads stdin.",
+                       show_default=False)],
+    out: Annotated[str, typer.Option("--out", "-o", help="Output JSONL (written atomically), or - for stdout.")],
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+):
+    """Collect tapes from files and directories into one JSONL file, deduplicated by tape id."""
+    from gsm8kctl.stages.gather_tapes import gather_tapes as run
+
+    if json_out and out == "-":
+        raise UserError("--json prints to stdout; give -o FILE for the tapes")
+    result = run(sources, out, quiet=quiet or json_out)
+    if json_out:
+        typer.echo(json.dumps(result))
+
+
+@app.command()
+@_handle_errors
+def browse(
+    path: Annotated[Path, typer.Argument(help="A tapes JSONL file, a gather-tapes file, or a run directory.")],
+    host: Annotated[str, typer.Option(help="Interface to bind; anything but 127.0.0.1/localhost is reachable "
+                                           "by others (a warning is printed).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0 = any free port).")] = 7680,
+    llm_calls: Annotated[Optional[Path], typer.Option("--llm-calls", help="LLM call log (sqlite); default: the "
+                         "nearest llm_calls.sqlite beside PATH, up to its run directory.")] = None,
+    open_browser: Annotated[bool, typer.Option("--open", help="Open the page in the default web browser.")] = False,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory or tokenizer.json for per-token "
+                         "logprob shading (default: found from each tape's model).")] = None,
+    quiet: QuietOpt = False,
+):
+    """Browse tapes and LLM calls in a local, read-only web page."""
+    from gsm8kctl.stages.browse import browse as run
+
+    run(str(path), host=host, port=port, llm_calls=str(llm_calls) if llm_calls else None,
+        open_browser=open_browser, tokenizer=str(tokenizer) if tokenizer else None, quiet=quiet)
 
 
 def main() -> None:

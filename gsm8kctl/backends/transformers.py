@@ -57,6 +57,7 @@ class TransformersBackend:
         self.static_cache = (self.device == "cuda") if static == "auto" else bool(static)
         self.compile = self.static_cache and self.device == "cuda"
         self._step_fn = None
+        self._compile_checked = False
 
     # ---------------------------------------------------------------- sampling
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -154,6 +155,17 @@ class TransformersBackend:
                                 cache_position=torch.arange(width, device=dev), past_key_values=cache,
                                 use_cache=True).logits[:, -1, :]
         step_fn = self._compiled_step() if self.compile else self._eager_step
+        if self.compile and not self._compile_checked:
+            # A model torch.compile cannot capture must still sample: check once, fall back to eager.
+            try:
+                step_fn(ids[:, -1:], positions[:, -1:] + 1, torch.tensor([width], device=dev), attn, cache)
+            except Exception as exc:  # noqa: BLE001
+                import warnings
+
+                warnings.warn(f"compiled decode step failed ({type(exc).__name__}: {exc}); decoding eagerly")
+                self.compile = False
+                step_fn = self._eager_step
+            self._compile_checked = True
         next_pos = positions[:, -1:] + 1
         stop = torch.tensor(self.stop_ids, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)

@@ -1,0 +1,370 @@
+"""`loop`: the RL loop — evaluate, sample, filter, finetune, record — with crash-safe resume.
+
+Each phase is one stage command run as a child process on files in the run directory (layout in
+docs/architecture.md), so a phase's memory (a sampler's KV cache, a trainer's optimizer) is
+returned to the system before the next one starts, and every phase can be rerun by hand.
+`state.json` says which phase of which iteration is next; it is rewritten atomically after a
+phase has finished. Killed at any moment and started again with the same command, the loop
+reruns the unfinished phase, whose stage resumes by itself: `sample` appends only missing
+attempts, `filter` rewrites its output atomically, `finetune` continues from its last saved
+state, `evaluate` appends only missing problems. Nothing is done twice, nothing is lost.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import atomic_write_json, read_jsonl, write_jsonl
+from gsm8kctl.procs import group_alive, kill_group, run_stage
+from gsm8kctl.progress import console, say
+from gsm8kctl.stages.stats import tape_stats
+from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
+
+STATE_FILE = "state.json"
+LOCK_FILE = ".lock"
+RUN_METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "learning_curve.png"
+PHASES = ("evaluate", "sample", "filter", "finetune", "record")
+
+
+# ---------------------------------------------------------------------------------------------
+# Run directory plumbing: lock, state, problem order
+
+
+class RunLock:
+    """An exclusive flock on RUN/.lock; the kernel drops it when the holder dies, so no stale lock."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise UserError(f"{self.path.parent}: another loop (pid {holder}) is running on this run directory")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+
+
+def load_state(run_dir: Path) -> dict:
+    path = run_dir / STATE_FILE
+    if not path.exists():
+        return {"iteration": 0, "phase": "warmup", "cursor": 0, "problems": None, "child_pgid": None,
+                "timings": {}, "best": None}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise UserError(f"{path}: not valid JSON (it is written atomically; was it edited by hand?)") from None
+
+
+def save_state(run_dir: Path, state: dict) -> None:
+    atomic_write_json(run_dir / STATE_FILE, state)
+
+
+def problem_order(n_train: int, seed: int, epoch: int) -> list[int]:
+    """A seeded permutation of the train split, a new one each pass over it."""
+    order = list(range(n_train))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def next_problems(cursor: int, k: int, n_train: int, seed: int) -> list[str]:
+    """Train problem ids at positions cursor..cursor+k of the endless seeded order."""
+    ids, orders = [], {}
+    for pos in range(cursor, cursor + k):
+        epoch, offset = divmod(pos, n_train)
+        if epoch not in orders:
+            orders[epoch] = problem_order(n_train, seed, epoch)
+        ids.append(f"train-{orders[epoch][offset]:05d}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
+    run = Path(run_dir)
+    if cfg["attempts"] < 1 or cfg["max_agent_forks"] < cfg["attempts"]:
+        raise UserError("need attempts >= 1 and max_agent_forks >= attempts "
+                        f"(got attempts={cfg['attempts']}, max_agent_forks={cfg['max_agent_forks']})")
+    if cfg["iterations"] < 0 or cfg["test_every_n_iterations"] < 0:
+        raise UserError("iterations and test_every_n_iterations must be >= 0")
+    from gsm8kctl.data import load_problems
+    from gsm8kctl.models import resolve_model
+
+    n_train = len(load_problems("train", cfg["data_dir"]))  # checks the data before any work
+    base_model = resolve_model(cfg["model"])
+    run.mkdir(parents=True, exist_ok=True)
+    with RunLock(run):
+        save_config(cfg, run / CONFIG_FILE)
+        state = load_state(run)
+        if state.get("child_pgid") and group_alive(state["child_pgid"]):
+            say(f"stopping a stage left running by the previous loop (process group {state['child_pgid']})", quiet)
+            kill_group(state["child_pgid"])
+        ctx = _Context(cfg, run, state, base_model, n_train, quiet)
+        ctx.run()
+        return state
+
+
+class _Context:
+    """What every phase needs; one method per phase, read top to bottom in `run`."""
+
+    def __init__(self, cfg: dict, run: Path, state: dict, base_model: str, n_train: int, quiet: bool):
+        self.cfg, self.run_dir, self.state, self.base_model = cfg, run, state, base_model
+        self.n_train, self.quiet = n_train, quiet
+        self.config_path = str(run / CONFIG_FILE)
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> None:
+        st = self.state
+        if st["phase"] == "done":
+            if st["iteration"] - 1 >= self.cfg["iterations"]:
+                say(f"{self.run_dir}: all {self.cfg['iterations']} iterations done (raise --iterations to go on)",
+                    self.quiet)
+                return
+            # Asked for more iterations: the last one ran only its final evaluation; train it now.
+            st.update(iteration=st["iteration"] - 1, phase="sample", problems=None)
+        if st["phase"] == "warmup":
+            self._warmup()
+            st.update(phase="evaluate")
+            save_state(self.run_dir, st)
+        iterations = self.cfg["iterations"]
+        while st["iteration"] <= iterations:
+            it = st["iteration"]
+            last = it == iterations  # after the last iteration only the final evaluation runs
+            for phase in PHASES[PHASES.index(st["phase"]):]:
+                if last and phase != "evaluate" and phase != "record":
+                    continue
+                self._banner(it, phase)
+                t0 = time.time()
+                getattr(self, f"_{phase}")(it)
+                st["timings"].setdefault(str(it), {})[phase] = round(time.time() - t0, 1)
+                nxt = PHASES.index(phase) + 1
+                if nxt < len(PHASES):
+                    st["phase"] = PHASES[nxt]
+                else:
+                    st.update(iteration=it + 1, phase="evaluate", problems=None)
+                st["child_pgid"] = None
+                save_state(self.run_dir, st)
+        st["phase"] = "done"
+        save_state(self.run_dir, st)
+        self._summary()
+
+    def _stage(self, *args: str) -> None:
+        """Run one stage command on the run's resolved config; a failure stops the loop."""
+
+        def remember(pid: int) -> None:
+            self.state["child_pgid"] = pid  # a child is its own group leader (start_new_session)
+            save_state(self.run_dir, self.state)
+
+        rc = run_stage([*args, "--config", self.config_path], on_start=remember)
+        if rc != 0:
+            raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}; fix the cause and rerun the "
+                            "same command to resume")
+
+    # ------------------------------------------------------------------ paths
+    def it_dir(self, it: int) -> Path:
+        return self.run_dir / "iterations" / f"{it:04d}"
+
+    def eval_dir(self, it: int) -> Path:
+        return self.run_dir / "eval" / f"{it:04d}"
+
+    def current_model(self) -> str:
+        from gsm8kctl.stages.finetune import latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir)
+        return str(ckpt) if ckpt else self.cfg["model"]
+
+    # ------------------------------------------------------------------ phases
+    def _warmup(self) -> None:
+        steps = self.cfg["warmup_sft_steps"]
+        if not steps:
+            return
+        self._banner(-1, "warm-start SFT on gold solutions")
+        d = self.run_dir / "warmup"
+        samples = d / SAMPLES_FILE
+        if not samples.exists():
+            self._stage("filter", "--gold", "--split", "train", "--n-problems",
+                        str(self.cfg["warmup_sft_problems"]), "-o", str(samples), "--quiet")
+        self._stage("finetune", str(samples), "--out", str(self.run_dir), "--objective", "sft",
+                    "--steps", str(steps))
+
+    def _evaluate(self, it: int) -> None:
+        every = self.cfg["test_every_n_iterations"]
+        final = it == self.cfg["iterations"]
+        if not every or (it % every and not final):
+            return
+        model = self.current_model()
+        args = ["evaluate", "--model", model, "-o", str(self.eval_dir(it)),
+                "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet", "--iteration", str(it)]
+        if self.cfg["eval_limit"] is not None:
+            args += ["--limit", str(self.cfg["eval_limit"])]
+        self._stage(*args)
+
+    def _sample(self, it: int) -> None:
+        st = self.state
+        k = max(1, self.cfg["max_agent_forks"] // self.cfg["attempts"])
+        if not st.get("problems"):
+            # Chosen once per iteration and saved before sampling: a restart samples the same ones.
+            st["problems"] = next_problems(st["cursor"], k, self.n_train, self.cfg["seed"])
+            st["cursor"] += k
+            save_state(self.run_dir, st)
+        self.it_dir(it).mkdir(parents=True, exist_ok=True)
+        self._stage("sample", "--model", self.current_model(), "--problem-ids", ",".join(st["problems"]),
+                    "--iteration", str(it), "-o", str(self.it_dir(it) / TAPES_FILE),
+                    "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet")
+
+    def _filter(self, it: int) -> None:
+        self._stage("filter", str(self.it_dir(it) / TAPES_FILE), "-o", str(self.it_dir(it) / SAMPLES_FILE),
+                    "--quiet")
+
+    def _finetune(self, it: int) -> None:
+        samples = self.it_dir(it) / SAMPLES_FILE
+        if not any(True for _ in read_jsonl(samples)):
+            say(f"iteration {it}: no training samples (no attempt earned a reward); the model is unchanged",
+                self.quiet)
+            return
+        self._stage("finetune", str(samples), "--out", str(self.run_dir),
+                    "--steps", str(self.cfg["finetune"]["save_checkpoint_steps"]))
+
+    def _record(self, it: int) -> None:
+        row: dict = {"iteration": it, "model": self.current_model()}
+        tapes_path = self.it_dir(it) / TAPES_FILE
+        if tapes_path.exists():
+            tapes = list(read_jsonl(tapes_path))
+            st = tape_stats(tapes)
+            if tapes:
+                row["model"] = tapes[0]["model"]  # the model that sampled, not the one it trained
+            samples_path = self.it_dir(it) / SAMPLES_FILE
+            row.update({
+                "train_success_rate": round(sum(bool(t["correct"]) for t in tapes) / max(1, len(tapes)), 4),
+                "train_accuracy_strict": st["accuracy_strict"], "train_accuracy_lenient": st["accuracy_lenient"],
+                "pass_at_k": st["pass_at_k"], "format_rate": st["format_rate"],
+                "overflow_rate": st["overflow_rate"], "mean_output_tokens": st["tokens"]["completion"]["mean"],
+                "attempts": len(tapes), "problems": st["problems"],
+                "samples_kept": sum(1 for _ in read_jsonl(samples_path)) if samples_path.exists() else 0,
+                "uniform_groups": _uniform_groups(tapes),
+            })
+            secs = self.state["timings"].get(str(it), {}).get("sample")
+            if secs:
+                row["sample_tokens_per_s"] = round(sum(len(t["completion_token_ids"]) for t in tapes) / secs, 1)
+        ev = self.eval_dir(it) / METRICS_FILE
+        if ev.exists():
+            m = json.loads(ev.read_text(encoding="utf-8"))
+            row.update(test_accuracy_strict=m["accuracy_strict"], test_accuracy_lenient=m["accuracy_lenient"],
+                       test_format_rate=m["format_rate"], test_n=m["n"])
+            self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
+        row["seconds"] = self.state["timings"].get(str(it), {})
+        path = self.run_dir / RUN_METRICS_FILE
+        rows = [r for r in read_jsonl(path) if r["iteration"] != it] if path.exists() else []
+        write_jsonl(path, rows + [row])  # atomic rewrite: a rerun of this phase never duplicates a line
+        plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
+        _report_to(self.cfg["report_to"], row, self.run_dir, self.quiet)
+
+    def _mark_best(self, it: int, accuracy: float, evaluated: Path) -> None:
+        """Keep the checkpoint with the best strict test accuracy from pruning (finetune's `keep` marker)."""
+        from gsm8kctl.stages.finetune import KEEP_MARKER
+
+        best = self.state.get("best")
+        if best and best["accuracy_strict"] >= accuracy:
+            return
+        ckpt = evaluated if (evaluated / "config.json").exists() and \
+            evaluated.parent.resolve() == (self.run_dir / "checkpoints").resolve() else None
+        if ckpt is None:  # the base model was best: nothing of ours to keep
+            self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": None}
+            return
+        if best and best["checkpoint"] and Path(best["checkpoint"]).exists():
+            (Path(best["checkpoint"]) / KEEP_MARKER).unlink(missing_ok=True)
+        (ckpt / KEEP_MARKER).write_text(f"best strict test accuracy {accuracy} at iteration {it}\n")
+        self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": str(ckpt)}
+
+    # ------------------------------------------------------------------ talk
+    def _banner(self, it: int, phase: str) -> None:
+        if self.quiet:
+            return
+        best = self.state.get("best")
+        acc = f", best test accuracy {best['accuracy_strict']:.3f}" if best else ""
+        label = "warm start" if it < 0 else f"iteration {it}/{self.cfg['iterations']}"
+        console.rule(f"[bold]{label}[/] · {phase}{acc}")
+
+    def _summary(self) -> None:
+        if self.quiet:
+            return
+        r = self.run_dir
+        say(f"done. metrics: {r / RUN_METRICS_FILE}\n      curve:   {r / CURVE_FILE}\n"
+            f"      tapes:   {r / 'iterations'}/*/{TAPES_FILE}, {r / 'eval'}/*/{TAPES_FILE}\n"
+            f"      browse:  gsm8kctl browse {r}")
+
+
+def _uniform_groups(tapes: list[dict]) -> int:
+    groups: dict[str, set] = {}
+    for t in tapes:
+        groups.setdefault(t["problem_id"], set()).add(t["reward"])
+    return sum(1 for rewards in groups.values() if len(rewards) == 1)
+
+
+def plot_learning_curve(rows: list[dict], path: Path) -> None:
+    """Test accuracy (strict and lenient) and train success vs iteration; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("test_accuracy_strict", "test accuracy (strict)", "o-"),
+                              ("test_accuracy_lenient", "test accuracy (lenient)", "s--"),
+                              ("train_success_rate", "train success rate", "^:")):
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("rate")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _report_to(trackers: list[str], row: dict, run_dir: Path, quiet: bool) -> None:
+    """Optional trackers: never required, a missing package is a warning."""
+    scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for name in trackers:
+        try:
+            if name == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+
+                with SummaryWriter(str(run_dir / "tensorboard")) as w:
+                    for k, v in scalars.items():
+                        w.add_scalar(k, v, row["iteration"])
+            elif name == "wandb":
+                import wandb
+
+                if wandb.run is None:
+                    wandb.init(project="gsm8kctl", name=run_dir.name, dir=str(run_dir), resume="allow")
+                wandb.log(scalars, step=row["iteration"])
+            else:
+                say(f"warning: unknown tracker '{name}' in report_to (tensorboard, wandb)", quiet)
+        except ImportError:
+            say(f"warning: report_to {name}: package not installed; metrics.jsonl still has everything", quiet)

@@ -1,0 +1,149 @@
+"""The loop end to end on a tiny model: layout, metrics, kill-and-resume in every phase, the lock."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from gsm8kctl.jsonl import read_jsonl
+from gsm8kctl.llm_calls import open_readonly
+from gsm8kctl.stages.loop import next_problems
+
+TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
+            "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",
+            "finetune.save_checkpoint_steps=2", "finetune.train_batch_size=2", "use_rejection_sampling=false",
+            "finetune.rl.use_advantages=false", "--backend", "transformers"]
+
+
+def _cmd(model: str, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "gsm8kctl", "loop", "--model", model, "--run-dir", str(run_dir), *TINY_RUN]
+
+
+def _summary(run_dir: Path) -> dict:
+    """Everything that must match between an interrupted and an uninterrupted run."""
+    tapes = {p.parent.name: sorted((t["problem_id"], t["attempt"]) for t in read_jsonl(p))
+             for p in (run_dir / "iterations").glob("*/tapes.jsonl")}
+    evals = {p.parent.name: sorted(t["problem_id"] for t in read_jsonl(p)) for p in (run_dir / "eval").glob("*/tapes.jsonl")}
+    samples = {p.parent.name: sum(1 for _ in read_jsonl(p)) for p in (run_dir / "iterations").glob("*/samples.jsonl")}
+    conn = open_readonly(run_dir / "llm_calls.sqlite")
+    calls = conn.execute("SELECT count(*), count(DISTINCT tape_id) FROM llm_calls").fetchone()
+    steps = [json.loads(l)["step"] for l in open(run_dir / "finetune" / "metrics.jsonl")]
+    return {
+        "tapes": tapes, "evals": evals, "samples": samples, "calls": tuple(calls), "steps": steps,
+        "metrics_iterations": [r["iteration"] for r in read_jsonl(run_dir / "metrics.jsonl")],
+        "latest": (run_dir / "checkpoints" / "latest").read_text().strip(),
+        "state": {k: v for k, v in json.loads((run_dir / "state.json").read_text()).items()
+                  if k in ("iteration", "phase", "cursor")},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    proc = subprocess.run(_cmd(tiny_model_dir, run_dir), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_loop_layout_and_metrics(reference_run):
+    run = reference_run
+    for name in ("config.yaml", "state.json", "llm_calls.sqlite", "metrics.jsonl", "learning_curve.png",
+                 "iterations/0000/tapes.jsonl", "iterations/0000/samples.jsonl", "eval/0000/metrics.json",
+                 "eval/0001/metrics.json", "finetune/metrics.jsonl"):
+        assert (run / name).exists(), name
+    rows = list(read_jsonl(run / "metrics.jsonl"))
+    assert [r["iteration"] for r in rows] == [0, 1]
+    first = rows[0]
+    for key in ("train_success_rate", "pass_at_k", "format_rate", "overflow_rate", "mean_output_tokens",
+                "samples_kept", "uniform_groups", "test_accuracy_strict", "test_accuracy_lenient", "seconds"):
+        assert key in first, key
+    assert first["attempts"] == 8 and first["problems"] == 4 and first["samples_kept"] == 8
+    assert rows[1]["model"].endswith("step-000002")  # the final evaluation ran on the trained model
+    assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    summary = _summary(run)
+    assert summary["steps"] == [1, 2] and summary["state"]["phase"] == "done"
+    assert summary["calls"] == (8 + 3 + 3, 8 + 3 + 3)  # train attempts + two evaluations
+
+
+def test_problem_order_is_seeded_and_continues():
+    first = next_problems(0, 4, 7473, seed=42)
+    assert next_problems(0, 8, 7473, seed=42)[:4] == first
+    assert next_problems(4, 4, 7473, seed=42) == next_problems(0, 8, 7473, seed=42)[4:]
+    assert next_problems(0, 4, 7473, seed=43) != first
+    assert len(set(next_problems(0, 7473, 7473, seed=1))) == 7473  # a full pass has no repeats
+
+
+def _wait_for(cond, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"loop ended before the kill point (exit {proc.returncode})")
+        time.sleep(0.05)
+    raise AssertionError("kill point not reached")
+
+
+def _state(run_dir):
+    try:
+        return json.loads((run_dir / "state.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in open(path)) if path.exists() else 0
+
+
+def test_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny_model_dir, reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    kill_points = [
+        ("sample", lambda: _lines(run_dir / "iterations/0000/tapes.jsonl") >= 2),
+        ("filter", lambda: _state(run_dir).get("phase") == "filter" and _state(run_dir).get("child_pgid")),
+        ("finetune", lambda: _state(run_dir).get("phase") == "finetune" and _state(run_dir).get("child_pgid")),
+        ("evaluate", lambda: _lines(run_dir / "eval/0001/tapes.jsonl") >= 1),
+    ]
+    for phase, cond in kill_points:
+        proc = subprocess.Popen(_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        _wait_for(cond, proc)
+        if phase in ("filter", "finetune"):
+            time.sleep(1.5)  # let the stage get into its work
+        child = _state(run_dir).get("child_pgid")
+        proc.send_signal(signal.SIGKILL)  # the loop dies without any cleanup...
+        proc.wait()
+        if child:  # ...and so does the stage it ran (a crash of the whole machine, say)
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert _state(run_dir).get("phase") != "done", f"loop finished before the {phase} kill"
+    proc = subprocess.run(_cmd(tiny_model_dir, run_dir), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _summary(run_dir) == _summary(reference_run)
+
+
+def test_second_loop_on_same_run_dir_is_refused(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: _state(run_dir).get("child_pgid"), proc)
+        second = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run_dir), *TINY_RUN)
+        assert second.returncode == 2
+        assert "another loop" in second.stderr and str(proc.pid) in second.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_bad_loop_config_is_refused_before_any_work(tmp_path):
+    proc = run_cli("loop", "--run-dir", str(tmp_path / "run"), "attempts=8", "max_agent_forks=4")
+    assert proc.returncode == 2 and "max_agent_forks >= attempts" in proc.stderr
+    assert not (tmp_path / "run").exists()
