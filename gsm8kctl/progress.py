@@ -12,7 +12,7 @@ console = Console(stderr=True)
 
 def say(message: str, quiet: bool = False) -> None:
     if not quiet:
-        console.print(message, highlight=False)
+        console.print(message, highlight=False, soft_wrap=True)  # one message = one line, at any width
 
 
 class Progress:

@@ -81,7 +81,7 @@ def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
 
     def warn(message: str) -> None:
         if not quiet:
-            console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+            console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
     counts = [SourceCount(s) for s in sources]
     skipped: list[dict] = []
