@@ -1,0 +1,46 @@
+"""The real embedded SmolLM2-135M-Instruct through the CLI (transformers backend, CPU)."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from gsm8kctl.jsonl import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def test_embedded_model_converts_with_fixed_eos(smollm2_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>"
+    assert AutoConfig.from_pretrained(smollm2_dir).num_hidden_layers == 30
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                             add_generation_prompt=True)
+
+
+def test_evaluate_limit_4_on_real_model(smollm2_dir, tmp_path):
+    proc = run_cli("evaluate", "--model", "smollm2-135m", "--backend", "transformers", "--limit", "4",
+                   "--max-tokens", "96", "-o", str(tmp_path / "ev"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout)
+    assert m["n"] == 4 and m["model"] == "smollm2-135m" and 0 <= m["accuracy_lenient"] <= 1
+    tapes = list(read_jsonl(tmp_path / "ev" / "tapes.jsonl"))
+    # A real model writes English and, given room, ends its turn: its text decodes cleanly.
+    assert all(t["steps"][1]["text"].strip() for t in tapes)
+    assert all(len(t["completion_token_ids"]) <= 96 for t in tapes)
+
+
+def test_sample_2_problems_x_2_attempts_on_real_model(smollm2_dir, tmp_path):
+    out = tmp_path / "tapes.jsonl"
+    proc = run_cli("sample", "--model", "smollm2-135m", "--backend", "transformers", "--n-problems", "2",
+                   "--attempts", "2", "--max-tokens", "256", "--seed", "3", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tapes = list(read_jsonl(out))
+    assert len(tapes) == 4
+    stopped = [t for t in tapes if t["finish_reason"] == "stop"]
+    for t in stopped:  # the stop token is kept in the ids so training teaches the model to stop
+        assert t["completion_token_ids"][-1] == 2  # <|im_end|> in the SmolLM2 vocabulary
+    assert all(len(t["logprobs"]) == len(t["completion_token_ids"]) for t in tapes)
+    assert all(lp <= 0 for t in tapes for lp in t["logprobs"])
