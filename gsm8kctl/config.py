@@ -6,7 +6,6 @@ One merge function, no object instantiation. Overrides are `key.sub=value` or `+
 
 from __future__ import annotations
 
-import copy
 import difflib
 from importlib import resources
 from pathlib import Path

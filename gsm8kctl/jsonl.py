@@ -21,6 +21,12 @@ def read_jsonl(path: str | Path, *, repair_tail: bool = False) -> Iterator[dict]
     With `repair_tail`, a last line without its newline (a writer killed mid-line) is skipped,
     so a resumed writer can continue after it.
     """
+    for _, record in read_jsonl_located(path, repair_tail=repair_tail):
+        yield record
+
+
+def read_jsonl_located(path: str | Path, *, repair_tail: bool = False) -> Iterator[tuple[str, dict]]:
+    """Like `read_jsonl`, yielding (`file:line`, record) so later checks can name the line too."""
     if str(path) == "-":
         yield from _parse_lines(sys.stdin, "<stdin>", repair_tail=False)
         return
@@ -33,8 +39,17 @@ def read_jsonl(path: str | Path, *, repair_tail: bool = False) -> Iterator[dict]
         yield from _parse_lines(f, str(p), repair_tail=repair_tail)
 
 
-def _parse_lines(lines: Iterable[str], name: str, *, repair_tail: bool) -> Iterator[dict]:
-    for lineno, line in enumerate(lines, start=1):
+def _parse_lines(lines: Iterable[str], name: str, *, repair_tail: bool) -> Iterator[tuple[str, dict]]:
+    lineno = 0
+    it = iter(lines)
+    while True:
+        lineno += 1
+        try:
+            line = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError:
+            raise UserError(f"{name}:{lineno}: not a text JSONL file (binary data)") from None
         if not line.strip():
             continue
         if repair_tail and not line.endswith("\n"):
@@ -45,7 +60,7 @@ def _parse_lines(lines: Iterable[str], name: str, *, repair_tail: bool) -> Itera
             raise UserError(f"{name}:{lineno}: invalid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise UserError(f"{name}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        yield record
+        yield f"{name}:{lineno}", record
 
 
 def truncate_partial_line(path: str | Path) -> int:

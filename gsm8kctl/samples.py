@@ -19,13 +19,12 @@ One JSON object per line:
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import read_jsonl_located
 
 SAMPLE_KEYS = (
     "id", "tape_id", "problem_id", "group_id", "iteration", "model", "input_ids", "prompt_len",
@@ -39,42 +38,8 @@ def is_sample(record: dict) -> bool:
     return "input_ids" in record and "prompt_len" in record
 
 
-def iter_jsonl_lines(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """Yield (`file:line`, record) for every non-blank line; bad files and lines are UserErrors."""
-    name = "<stdin>" if str(path) == "-" else str(path)
-    if str(path) == "-":
-        stream = sys.stdin
-        close = False
-    else:
-        p = Path(path)
-        if not p.exists():
-            raise UserError(f"{p}: no such file")
-        if p.is_dir():
-            raise UserError(f"{p}: is a directory, expected a JSONL file")
-        stream = open(p, encoding="utf-8")
-        close = True
-    try:
-        lineno = 0
-        while True:
-            lineno += 1
-            try:
-                line = stream.readline()
-            except UnicodeDecodeError:
-                raise UserError(f"{name}:{lineno}: not a text JSONL file (binary data)") from None
-            if not line:
-                return
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{name}:{lineno}: invalid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{name}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield f"{name}:{lineno}", record
-    finally:
-        if close:
-            stream.close()
+# Samples files are read like any JSONL; the location travels with each record for later checks.
+iter_jsonl_lines = read_jsonl_located
 
 
 def _is_int_list(x) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 from gsm8kctl.backends.base import Backend, Completion, SamplingParams
 from gsm8kctl.errors import UserError

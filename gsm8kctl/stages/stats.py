@@ -95,7 +95,7 @@ def file_stats(records: Iterable[dict]) -> dict:
         yield from it
 
     if is_samples_record(first):
-        from gsm8kctl.stages.filter import samples_stats
+        from gsm8kctl.samples import samples_stats
 
         return samples_stats(chain())
     return tape_stats(chain())
