@@ -31,6 +31,8 @@ app = typer.Typer(
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (see configs/).")]
 ModelOpt = Annotated[Optional[str], typer.Option(help="Hub id, local HF directory, or smollm2-135m (embedded).")]
 BackendOpt = Annotated[Optional[str], typer.Option(help="auto | transformers | vllm | openai.")]
+BaseUrlOpt = Annotated[Optional[str], typer.Option(help="Backend openai: server URL(s), comma-separated, "
+                                                        "e.g. http://127.0.0.1:8000/v1.")]
 DataDirOpt = Annotated[Optional[Path], typer.Option(help="Directory with GSM8k train.jsonl/test.jsonl "
                                                          "(default: $GSM8K_DIR, else the hub).")]
 CallsOpt = Annotated[Optional[str], typer.Option("--llm-calls", help="LLM call log (sqlite); default: "
@@ -93,6 +95,7 @@ def sample(
     out: Annotated[str, typer.Option("--out", "-o", help="Tapes JSONL to append to, or - for stdout.")],
     model: ModelOpt = None,
     backend: BackendOpt = None,
+    base_url: BaseUrlOpt = None,
     split: Annotated[str, typer.Option(help="train | test.")] = "train",
     n_problems: Annotated[Optional[int], typer.Option(help="The first N problems of the split.")] = None,
     problem_ids: Annotated[Optional[str], typer.Option(help="Comma-separated ids, e.g. train-00042.")] = None,
@@ -112,7 +115,7 @@ def sample(
     from gsm8kctl.stages.sample import sample as run
 
     cfg = _config(config, overrides, model=model, backend=backend, attempts=attempts,
-                  **{"sampling.temperature": temperature, "sampling.top_p": top_p,
+                  **{"openai.base_url": base_url, "sampling.temperature": temperature, "sampling.top_p": top_p,
                      "sampling.max_tokens": max_tokens, "seed": seed,
                      "data_dir": str(data_dir) if data_dir else None})
     ids = [p.strip() for p in problem_ids.split(",") if p.strip()] if problem_ids else None
@@ -129,6 +132,7 @@ def evaluate(
     out: Annotated[str, typer.Option("--out", "-o", help="Output directory (tapes.jsonl, metrics.json).")],
     model: ModelOpt = None,
     backend: BackendOpt = None,
+    base_url: BaseUrlOpt = None,
     limit: Annotated[Optional[int], typer.Option(help="First K test problems (default: all 1319).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option()] = None,
     iteration: Annotated[int, typer.Option(help="Iteration number recorded in the tapes.")] = 0,
@@ -144,7 +148,7 @@ def evaluate(
     from gsm8kctl.stages.stats import render_table
 
     cfg = _config(config, overrides, model=model, backend=backend,
-                  **{"evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
+                  **{"openai.base_url": base_url, "evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
     metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
                   calls_db=llm_calls, iteration=iteration, quiet=quiet)
     if json_out:

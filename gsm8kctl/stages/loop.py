@@ -168,6 +168,23 @@ class _Context:
         save_state(self.run_dir, st)
         self._summary()
 
+    def _server_for(self, model: str):
+        """backend openai without a URL: serve the current model with `vllm serve` for this phase only,
+        so the GPU is free again when finetune starts (the original system left it allocated)."""
+        import contextlib
+
+        if self.cfg["backend"] != "openai" or self.cfg["openai"]["base_url"]:
+            return contextlib.nullcontext(None)
+        from gsm8kctl.models import resolve_model
+        from gsm8kctl.serve import VLLMServer
+
+        return VLLMServer(resolve_model(model), log_path=self.run_dir / "vllm-server.log", cfg=self.cfg)
+
+    def _sampling_stage(self, model: str, *args: str) -> None:
+        with self._server_for(model) as server:
+            extra = [f"openai.base_url={server.base_url}"] if server is not None else []
+            self._stage(*args, *extra)
+
     def _stage(self, *args: str) -> None:
         """Run one stage command on the run's resolved config; a failure stops the loop."""
 
@@ -217,7 +234,7 @@ class _Context:
                 "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet", "--iteration", str(it)]
         if self.cfg["eval_limit"] is not None:
             args += ["--limit", str(self.cfg["eval_limit"])]
-        self._stage(*args)
+        self._sampling_stage(model, *args)
 
     def _sample(self, it: int) -> None:
         st = self.state
@@ -228,7 +245,8 @@ class _Context:
             st["cursor"] += k
             save_state(self.run_dir, st)
         self.it_dir(it).mkdir(parents=True, exist_ok=True)
-        self._stage("sample", "--model", self.current_model(), "--problem-ids", ",".join(st["problems"]),
+        model = self.current_model()
+        self._sampling_stage(model, "sample", "--model", model, "--problem-ids", ",".join(st["problems"]),
                     "--iteration", str(it), "-o", str(self.it_dir(it) / TAPES_FILE),
                     "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet")
 
