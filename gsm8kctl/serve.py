@@ -1,0 +1,316 @@
+"""Lifecycle of a local vLLM OpenAI-compatible server: start, wait for /health, stop, never orphan.
+
+    with VLLMServer(model_dir, log_path=run_dir / "vllm-server.log") as srv:
+        backend = OpenAIBackend(model_dir, base_url=srv.base_url)
+
+Process layout: a small supervisor (`python -m gsm8kctl.serve --supervise ...`) leads a new
+session/process group; the server and everything it spawns (vLLM's engine core and worker)
+inherit that group. Stopping sends TERM to the whole group, waits `grace_s`, then KILLs it.
+If our process dies without stopping it (SIGKILL, crash), the kernel sends the supervisor
+SIGTERM (`prctl(PR_SET_PDEATHSIG)`; it also polls its parent id as a fallback) and the
+supervisor takes the group down the same way: no orphaned engine keeps a port and 5 GiB.
+
+PR_SET_PDEATHSIG fires when the *thread* that started the server exits: start servers from a
+long-lived thread (the main thread); to start several at once call `start()` on each, then
+`wait_ready()` on each (that is what `__enter__` does for one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gsm8kctl.errors import UserError
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+HEALTH_PATH = "/health"
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the server may still lose a race for it: retried)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int):
+    """preexec_fn: ask the kernel for SIGTERM when the parent goes away (Linux).
+
+    Everything is looked up before the fork: between fork and exec the child may only make plain
+    calls (another thread of ours could hold the import lock at fork time).
+    """
+    prctl = None
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    getppid, exit_ = os.getppid, os._exit
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if getppid() != parent_pid:  # the parent died before prctl took effect
+            exit_(1)
+    return preexec
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ServerProcess:
+    """Any HTTP server command run under the supervisor, bound to `host:port`, with a health URL."""
+
+    def __init__(self, cmd: list[str], *, port: int, host: str = "127.0.0.1", log_path: str | Path | None = None,
+                 env: dict | None = None, health_path: str = HEALTH_PATH, startup_timeout_s: float = 600,
+                 grace_s: float = 15, name: str = "server"):
+        self.cmd, self.port, self.host = list(cmd), port, host
+        self.env = env
+        self.health_path = health_path
+        self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
+        self.name = name
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"gsm8kctl-{name}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # ---------------------------------------------------------------- urls
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pgid(self) -> int | None:
+        return self.proc.pid if self.proc else None  # the supervisor leads its own group
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> "ServerProcess":
+        """Launch (non-blocking); `wait_ready()` waits for health."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab", buffering=0)
+        self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.cmd)}\n".encode())
+        sup = [sys.executable, "-m", "gsm8kctl.serve", "--supervise", "--grace", str(self.grace_s),
+               "--parent", str(os.getpid()), "--"]
+        self.proc = subprocess.Popen(sup + self.cmd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                     preexec_fn=_die_with_parent(os.getpid()), close_fds=True)
+        self._started = time.monotonic()
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        """Poll the health URL until it answers 200; stop and raise if the deadline passes or it dies."""
+        import httpx
+
+        deadline = self._started + self.startup_timeout_s
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while True:
+                if not self.alive():
+                    self.stop()
+                    raise UserError(f"{self.name} on port {self.port} exited during start-up: "
+                                    f"{self.log_tail(1)!r}; full log: {self.log_path}")
+                try:
+                    if client.get(self.url + self.health_path).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise UserError(f"{self.name} on port {self.port} not healthy after {self.startup_timeout_s:.0f} s; "
+                                    f"log: {self.log_path}")
+                time.sleep(0.5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_bytes()[-20000:].decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
+
+    # ---------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """TERM the whole process group, KILL it after `grace_s`; idempotent."""
+        if self.proc is None:
+            return
+        pgid = self.pgid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.grace_s + 5)
+        except subprocess.TimeoutExpired:
+            pass
+        # The supervisor KILLs the group itself; this covers a supervisor that was killed.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        deadline = time.monotonic() + 10
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill_server(self) -> None:
+        """SIGKILL the group at once, no grace: what a crashed machine looks like (tests)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+
+    def __enter__(self):
+        try:
+            if self.proc is None:
+                self.start()
+            return self.wait_ready()
+        except BaseException:  # KeyboardInterrupt during start-up included
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class VLLMServer(ServerProcess):
+    """`python -m vllm.entrypoints.openai.api_server` on a checkpoint directory, 127.0.0.1, free port.
+
+    `base_url` is the OpenAI base (`http://127.0.0.1:PORT/v1`); the served model name is the
+    directory path unless `served_model_name` is given. Settings come from `cfg["vllm"]`
+    (dtype, enforce_eager, max_model_len, max_num_seqs, and on CPU kv_cache_gb); `env` adds to
+    (and overrides) the environment; `extra_args` are appended to the command line.
+    """
+
+    def __init__(self, model_dir: str | Path, *, log_path: str | Path | None = None, env: dict | None = None,
+                 cfg: dict | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 served_model_name: str | None = None, extra_args: list[str] | tuple = (),
+                 startup_timeout_s: float = 600, grace_s: float = 15, port_retries: int = 3):
+        from gsm8kctl.backends.vllm import cpu_env, has_gpu
+
+        cfg = cfg or {}
+        v = cfg.get("vllm", {})
+        self.model_dir = str(model_dir)
+        self.served_model_name = served_model_name or self.model_dir
+        self._fixed_port = port
+        self._port_retries = port_retries
+        full_env = dict(os.environ)
+        if not has_gpu():
+            full_env.update(cpu_env(cfg, base=full_env))
+        full_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        full_env.update(env or {})
+        self._args = ["--model", self.model_dir, "--served-model-name", self.served_model_name,
+                      "--host", host, "--dtype", str(v.get("dtype") or "bfloat16"),
+                      "--logprobs-mode", "raw_logprobs", "--generation-config", "vllm",
+                      "--seed", str(int(cfg.get("seed", 0) or 0))]
+        if v.get("enforce_eager", True):
+            self._args.append("--enforce-eager")
+        if v.get("max_model_len"):
+            self._args += ["--max-model-len", str(int(v["max_model_len"]))]
+        if v.get("max_num_seqs"):
+            self._args += ["--max-num-seqs", str(int(v["max_num_seqs"]))]
+        if has_gpu():
+            if v.get("gpu_memory_utilization"):
+                self._args += ["--gpu-memory-utilization", str(v["gpu_memory_utilization"])]
+        else:
+            self._args.append("--no-enable-chunked-prefill")  # see CPU_ENGINE_ARGS in backends/vllm.py
+        self._args += list(extra_args)
+        chosen = port or free_port(host)
+        super().__init__(self._command(chosen), port=chosen, host=host, log_path=log_path, env=full_env,
+                         startup_timeout_s=startup_timeout_s, grace_s=grace_s, name="vllm-server")
+
+    def _command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", SERVER_MODULE, *self._args, "--port", str(port)]
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def wait_ready(self) -> "VLLMServer":
+        for attempt in range(self._port_retries + 1):
+            try:
+                return super().wait_ready()
+            except UserError:
+                # Another process may have taken the free port between our probe and its bind.
+                if self._fixed_port or attempt == self._port_retries or "address already in use" not in \
+                        self.log_tail(50).lower():
+                    raise
+                self.port = free_port(self.host)
+                self.cmd = self._command(self.port)
+                self.proc = None
+                self.start()
+        raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------- supervisor
+class _Stop(Exception):
+    pass
+
+
+def _supervise(cmd: list[str], grace_s: float, parent: int) -> int:
+    """Run `cmd` in our process group; on TERM/INT/HUP or parent death take the whole group down."""
+    def on_signal(signum, frame):
+        raise _Stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    rc = 1
+    child = None
+    try:
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        while True:
+            try:
+                rc = child.wait(timeout=1.0)
+                break  # the server exited on its own: clear up whatever it left in the group
+            except subprocess.TimeoutExpired:
+                if os.getppid() != parent:  # fallback when PDEATHSIG is unavailable
+                    raise _Stop()
+    except _Stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(0, signal.SIGTERM)  # the group may not have had it (parent death)
+        if child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=grace_s)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.killpg(0, signal.SIGKILL)  # every straggler, and this supervisor too
+    return rc
+
+
+def _main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gsm8kctl.serve")
+    ap.add_argument("--supervise", action="store_true", required=True)
+    ap.add_argument("--grace", type=float, default=15)
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return _supervise(cmd, args.grace, args.parent)
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

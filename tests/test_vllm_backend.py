@@ -1,0 +1,159 @@
+"""The in-process vLLM backend on the real embedded SmolLM2-135M (one engine start for the module)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from gsm8kctl import agent
+from gsm8kctl.backends import SamplingParams, get_backend
+from gsm8kctl.chat import render_prompt
+from gsm8kctl.config import default_config
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+QUESTIONS = [
+    "Janet has 3 apples and buys 4 more. How many apples does she have?",
+    "A train travels 60 miles per hour for 2 hours. How far does it go?",
+]
+
+
+def _engine_pids() -> set[int]:
+    import psutil
+
+    # multiprocessing's resource tracker is a per-process helper that lives as long as we do.
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())}
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_dir):
+    cfg = default_config()
+    b = get_backend("vllm", smollm2_dir, cfg=cfg)
+    b.engine_pids = _engine_pids()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(backend):
+    return [render_prompt(backend.tokenizer, agent.build_messages(q))[1] for q in QUESTIONS]
+
+
+def _check_completion(c, backend, max_tokens):
+    assert c.finish_reason in ("stop", "length")
+    assert len(c.token_ids) == len(c.logprobs) > 0
+    assert all(lp <= 0.0 for lp in c.logprobs)
+    stops = [i for i, t in enumerate(c.token_ids) if t in backend.stop_ids]
+    if c.finish_reason == "stop":
+        # The stop token is kept (with its log-prob) as the last id; the text skips it.
+        assert stops == [len(c.token_ids) - 1]
+    else:
+        assert len(c.token_ids) == max_tokens and not stops
+    assert "<|im_end|>" not in c.text
+    assert c.text == backend.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_sample_n_per_prompt(backend, prompts):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=48, seed=7)
+    out = backend.generate(prompts, params)
+    assert len(out) == len(prompts) and all(len(comps) == 3 for comps in out)
+    for comps in out:
+        for c in comps:
+            _check_completion(c, backend, 48)
+        # n samples of one prompt are different samples, not one sample three times.
+        assert len({tuple(c.token_ids) for c in comps}) == 3
+
+
+def test_finish_reasons_and_stop_token(backend, prompts):
+    greedy = backend.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=300))[0][0]
+    _check_completion(greedy, backend, 300)
+    assert greedy.finish_reason == "stop" and greedy.token_ids[-1] == backend.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    short = backend.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=5))[0][0]
+    assert short.finish_reason == "length" and short.token_ids == greedy.token_ids[:5]
+
+
+def test_seeds(backend, prompts):
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=24, seed=123)
+    batch = [prompts[0], prompts[1], prompts[0]]
+    a = backend.generate(batch, params)
+    b = backend.generate(batch, params)
+    ids = lambda out: [[c.token_ids for c in comps] for comps in out]  # noqa: E731
+    assert ids(a) == ids(b), "same seed, same prompts: same samples"
+    # The same prompt twice in one call must not get the same samples (per-prompt seeds).
+    assert ids(a)[0] != ids(a)[2]
+    other = backend.generate(batch, SamplingParams(n=2, temperature=1.0, max_tokens=24, seed=124))
+    assert ids(other) != ids(a)
+
+
+def test_many_seeded_prompts(backend):
+    """128 seeded requests whose prompts exceed vLLM's default 2048-token step budget: on CPU,
+    chunked prefill of a seeded request used to kill the engine (see CPU_ENGINE_ARGS)."""
+    from gsm8kctl.data import load_problems
+
+    problems = load_problems("test")[:32]
+    ps = [render_prompt(backend.tokenizer, agent.build_messages(p["question"]))[1] for p in problems]
+    assert sum(len(p) for p in ps) * 4 > 2048
+    out = backend.generate(ps, SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=3))
+    assert [len(c) for c in out] == [4] * 32 and all(len(c.token_ids) == 4 for cs in out for c in cs)
+
+
+def test_score_matches_sampler_and_is_chunked(backend, prompts):
+    out = backend.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=1))
+    ps = [p for p, comps in zip(prompts, out) for _ in comps]
+    cs = [c.token_ids for comps in out for c in comps]
+    sampler = [c.logprobs for comps in out for c in comps]
+    big = backend.score(ps, cs)
+    budget = backend.score_token_budget
+    backend.score_token_budget = 1  # one sequence per engine call
+    try:
+        small = backend.score(ps, cs)
+    finally:
+        backend.score_token_budget = budget
+    assert [len(s) for s in big] == [len(c) for c in cs]
+    diffs = [abs(x - y) for s, t in zip(big, small) for x, y in zip(s, t)]
+    assert max(diffs) < 0.2  # bf16 numerics can depend on the batch composition
+    diffs = [abs(x - y) for s, t in zip(big, sampler) for x, y in zip(s, t)]
+    assert max(diffs) < 0.5 and sum(diffs) / len(diffs) < 0.05
+    assert backend.score([prompts[0]], [[]]) == [[]]
+
+
+def test_engine_shared_within_process(backend, smollm2_dir):
+    t0 = time.perf_counter()
+    second = get_backend("vllm", smollm2_dir, cfg=default_config())
+    assert time.perf_counter() - t0 < 10 and second.llm is backend.llm
+    second.close()  # the first backend still holds the engine
+    assert backend.generate([[1, 2, 3]], SamplingParams(n=1, max_tokens=2, temperature=0.0))[0][0].token_ids
+
+
+def test_sample_and_evaluate_stages(backend, smollm2_dir, tmp_path):
+    from gsm8kctl.stages.evaluate import evaluate
+    from gsm8kctl.stages.sample import sample
+
+    cfg = default_config()
+    cfg.update(model=smollm2_dir, backend="vllm", attempts=3)
+    cfg["sampling"]["max_tokens"] = 32
+    cfg["evaluation"]["max_tokens"] = 32
+    out = tmp_path / "tapes.jsonl"
+    stats = sample(cfg, out=str(out), split="test", n_problems=2, backend=backend, quiet=True)
+    tapes = [json.loads(line) for line in out.read_text().splitlines()]
+    assert stats["tapes"] == len(tapes) == 6
+    metrics = evaluate(cfg, out_dir=str(tmp_path / "eval"), limit=3, backend=backend, quiet=True)
+    assert metrics["n"] == 3 and metrics["backend"] == "vllm"
+
+
+def test_close_stops_the_engine(backend):
+    import psutil
+
+    assert backend.engine_pids, "the engine runs in child processes"
+    backend.close()
+    backend.close()  # idempotent
+    deadline = time.time() + 30
+    while time.time() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                         for p in backend.engine_pids):
+        time.sleep(0.2)
+    alive = [p for p in backend.engine_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive
