@@ -25,15 +25,16 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
         from gsm8kctl.errors import UserError
 
         raise UserError(f"{out}: exists and is not a directory (evaluate writes OUT/tapes.jsonl)")
-    out.mkdir(parents=True, exist_ok=True)
     problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=limit)
-    save_config(cfg, out / CONFIG_FILE)
     params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=cfg["evaluation"]["max_tokens"],
                             seed=cfg["seed"])
     own = backend is None
     if own:
         backend = open_backend(cfg)
         say(f"backend: {backend.name}, model: {cfg['model']}", quiet)
+    # Only once the inputs checked out: a refused run leaves nothing behind.
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / CONFIG_FILE)
     label = model_label or cfg["model"]
     tapes_path = out / TAPES_FILE
     try:
