@@ -29,6 +29,10 @@ def resolve_model(name: str) -> str:
         return str(_embedded_dir(name))
     p = Path(name).expanduser()
     if p.exists():
+        latest = p / "checkpoints" / "latest"
+        if not (p / "config.json").exists() and latest.exists():
+            # A run directory (loop / finetune --out) stands for its newest checkpoint.
+            p = p / "checkpoints" / latest.read_text(encoding="utf-8").strip()
         if not (p / "config.json").exists():
             raise UserError(f"{p}: not a Hugging Face model directory (no config.json)")
         return str(p.resolve())

@@ -192,7 +192,9 @@ class _Context:
             self.state["child_pgid"] = pid  # a child is its own group leader (start_new_session)
             save_state(self.run_dir, self.state)
 
-        rc = run_stage([*args, "--config", self.config_path], on_start=remember)
+        # vLLM's start-up warnings (no Triton, eager mode...) would bury the loop's own lines.
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+        rc = run_stage([*args, "--config", self.config_path], on_start=remember, env=env)
         if rc != 0:
             raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}; fix the cause and rerun the "
                             "same command to resume")
@@ -353,6 +355,9 @@ def plot_learning_curve(rows: list[dict], path: Path) -> None:
         pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), style, label=label)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel("rate")
     ax.set_ylim(bottom=0)
