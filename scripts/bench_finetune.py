@@ -40,14 +40,14 @@ import json
 import os
 import platform
 import random
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from benchutil import PeakRSS  # scripts/ is on sys.path when a script runs
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -85,55 +85,6 @@ def _split_list(values: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Peak memory
-
-
-class PeakRSS:
-    """Peak summed RSS of this process and its children (accelerate workers), sampled every 0.2 s.
-
-    Without psutil: ru_maxrss of this process and of its largest finished child (a lifetime peak,
-    not per run)."""
-
-    def __init__(self, interval: float = 0.2):
-        self.peak = 0
-        self._interval = interval
-        self._stop = threading.Event()
-        try:
-            import psutil
-
-            self._proc = psutil.Process()
-        except ImportError:
-            self._proc = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> int:
-        import psutil
-
-        total = 0
-        for p in [self._proc, *self._proc.children(recursive=True)]:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._sample())
-            self._stop.wait(self._interval)
-
-    def __enter__(self):
-        if self._proc is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self._proc is not None:
-            self._stop.set()
-            self._thread.join()
-        else:
-            kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                     resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-            self.peak = kb * 1024
 
 
 # ---------------------------------------------------------------------------------------------

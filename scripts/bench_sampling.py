@@ -20,60 +20,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from benchutil import PeakRSS  # scripts/ is on sys.path when a script runs
+
 BACKENDS = ("transformers", "vllm", "openai")
-
-
-class PeakRSS:
-    """Peak of the summed RSS of this process and all its descendants."""
-
-    def __init__(self, interval: float = 0.2):
-        import psutil
-
-        self._proc = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
-
-    def _sample(self) -> int:
-        import psutil
-
-        total = 0
-        for p in [self._proc, *self._proc.children(recursive=True)]:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def _run(self, interval: float) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._sample())
-            self._stop.wait(interval)
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the live process tree (to see how contended a run was)."""
-        import psutil
-
-        total = 0.0
-        for p in [self._proc, *self._proc.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def _prompts(tokenizer, n_prompts: int, data_dir: str | None) -> list[list[int]]:
