@@ -359,24 +359,12 @@ class TapeIndex:
 
     def _where(self, flt: Filters) -> tuple[str, list]:
         clauses, params = [], []
-        if flt.iteration is not None:
-            clauses.append("iteration = ?")
-            params.append(flt.iteration)
-        if flt.split is not None:
-            clauses.append("split = ?")
-            params.append(flt.split)
-        if flt.outcome is not None:
-            clauses.append("outcome = ?")
-            params.append(flt.outcome)
-        if flt.reward is not None:
-            clauses.append("reward = ?")
-            params.append(flt.reward)
-        if flt.problem is not None:
-            clauses.append("problem_id = ?")
-            params.append(flt.problem)
-        if flt.file is not None:
-            clauses.append("file = ?")
-            params.append(flt.file)
+        # Equality filters: column names are constants here, values always bound parameters.
+        for column, value in (("iteration", flt.iteration), ("split", flt.split), ("outcome", flt.outcome),
+                              ("reward", flt.reward), ("problem_id", flt.problem), ("file", flt.file)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
         if flt.q:
             clauses.append("rid IN (SELECT rid FROM search WHERE sid = ?)")
             params.append(self._search_id(flt.q))
