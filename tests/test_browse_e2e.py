@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing (apt-get install chromium)"),
 ]
 
 

@@ -222,8 +222,7 @@ def tokenizer():
 @pytest.fixture
 def gsm8k_dir():
     d = os.environ.get("GSM8K_DIR", "/work/shared/data/gsm8k")
-    if not os.path.exists(os.path.join(d, "train.jsonl")):
-        pytest.skip("GSM8K_DIR with train.jsonl needed")
+    assert os.path.exists(os.path.join(d, "train.jsonl")), f"GSM8K_DIR={d} has no train.jsonl"
     return d
 
 

@@ -183,7 +183,7 @@ def test_retries_5xx_but_not_4xx(fake_openai):
 # ------------------------------------------------------------------------------------ real vLLM
 @pytest.fixture(scope="module")
 def servers(smollm2_dir, tmp_path_factory):
-    pytest.importorskip("vllm")
+    import vllm  # noqa: F401 - make install puts it there; missing must fail, not skip
     logs = tmp_path_factory.mktemp("vllm-logs")
     pair = [VLLMServer(smollm2_dir, log_path=logs / f"server{i}.log", cfg=default_config()) for i in range(2)]
     try:
