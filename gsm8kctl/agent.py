@@ -30,7 +30,9 @@ EXTRACTORS = ("strict", "lenient")
 
 # "1,234,567" only as a whole thousands group (so "1,2345" is 1 and 2345, not 12345); then a
 # plain integer; optional decimal part that needs digits, so "3." at a sentence end reads 3.
-_NUM = r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
+# A group never starts right after "digit,": else every group of a 1 MB "1,111,111,..." would
+# be a new start that re-reads the rest of the run (quadratic).
+_NUM = r"(?:(?:(?<![0-9],)[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
 _FRAC_CMD = r"\\[dt]?frac"
 _LATEX_FRAC = rf"{_FRAC_CMD}\s*(?:\{{[^{{}}]*\}}|[0-9])\s*(?:\{{[^{{}}]*\}}|[0-9])"
 # A number must not start inside another one ("1.2.3", "12" in "312"); a minus is a sign only
@@ -38,7 +40,11 @@ _LATEX_FRAC = rf"{_FRAC_CMD}\s*(?:\{{[^{{}}]*\}}|[0-9])\s*(?:\{{[^{{}}]*\}}|[0-9
 _START = r"(?<![0-9.])"
 _MINUS = r"(?<![0-9A-Za-z)\]}])-"
 _SIGN = rf"(?:{_MINUS})?"
-_SCAN_RE = re.compile(rf"{_START}(?P<sign>{_SIGN})(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?")
+# In an answer a minus may stand apart from its number: "- 5", "-\$ 5" and "-\,5" once the
+# dollar and the space command are gone, and "-(5)".
+_SCAN_RE = re.compile(
+    rf"{_START}(?P<sign>{_MINUS}\s*(?:\(\s*)?)?(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?"
+)
 # What the lenient extractor returns as the raw answer: a number, a/b, or a LaTeX fraction.
 _TOKEN = rf"{_START}{_SIGN}(?:{_LATEX_FRAC}|{_NUM}(?:\s*/\s*{_NUM})?)"
 _TOKEN_RE = re.compile(_TOKEN)
@@ -47,10 +53,15 @@ _TOKEN_RE = re.compile(_TOKEN)
 _GAP = r"(?:\s|\*|:|\\?\$|\\\(|\\\[|\{)*"
 # "#### 72" only when the number ends the line: "#### 1. Compute the total" is a markdown heading.
 _HASHES_RE = re.compile(rf"####{_GAP}(?P<ans>{_TOKEN})(?=[\s*.$}}\\)\]]*(?:\n|$))")
+# "The answer is 5 + 3 = 8": the whole chain is the raw answer, read like a box (the number after
+# the last "="). Same line only, so "is 5\n+ 3 more" stays 5.
+_OP = r"(?:[-+*×·÷x]|\\times|\\cdot|\\div)"
+_CHAIN = rf"{_TOKEN}(?:[ \t]*(?:{_OP}|=)[ \t]*{_TOKEN})*"
 _ANSWER_IS_RE = re.compile(
-    rf"\banswer(?:\s*\*\*)?\s*(?:is|was|:|=){_GAP}(?P<ans>{_TOKEN})", re.IGNORECASE
+    rf"\banswer(?:\s*\*\*)?\s*(?:is|was|:|=){_GAP}(?P<ans>{_CHAIN})", re.IGNORECASE
 )
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
+_BRACE_RE = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped char, or a brace that counts
 
 # Unicode minus signs and dashes a model writes for "-" (en dash included: "–5" means -5; a range
 # "3–4" still reads as 3 and 4 because a minus after a digit is not a sign).
@@ -65,15 +76,26 @@ _FRAC_RE = re.compile(
     rf"(?:(?<![0-9.])(?P<whole>-?[0-9]+)\s*|(?P<neg>{_MINUS})\s*)?{_FRAC_CMD}\s*"
     r"(?:\{(?P<a>[^{}]*)\}|(?P<a1>[0-9]))\s*(?:\{(?P<b>[^{}]*)\}|(?P<b1>[0-9]))"
 )
-_PLAIN_RE = re.compile(rf"\s*(?P<sign>-?)\s*(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?\s*")
+_PLAIN_RE = re.compile(rf"\s*(?P<sign>-\s*)?(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?\s*")
 _DOLLAR_PERCENT_RE = re.compile(r"\\?[$%]")  # GSM8k gold never uses %: "18%" means 18
-# Exponents are bounded to two digits: 10^6 is an answer, 10^99999 is a denial of service.
-_EXP = r"\s*\^\s*\{?\s*(?P<e>-?[0-9]{1,2})(?![0-9])\s*\}?"
+# The exponent's size is checked in `_power`: 10^6 is an answer, 10^99999 a denial of service.
+# `(?:\{\s*)?`, not `\{?\s*`: two `\s*` in a row backtrack quadratically over a run of spaces.
+_EXP = r"\s*\^\s*(?:\{\s*)?(?P<e>-?[0-9]+)\s*\}?"
 _SCI_RE = re.compile(rf"(?<![0-9.])(?P<m>{_NUM})\s*(?:\\times|\\cdot|×|\*|x)\s*10{_EXP}")
 _POW_RE = re.compile(rf"(?<![0-9.])(?P<b>{_NUM}){_EXP}")
-_UNIT_POW_RE = re.compile(r"\^\s*\{?\s*-?[0-9]+\s*\}?")  # cm^2: the 2 is not the answer
+_UNIT_POW_RE = re.compile(r"\^\s*(?:\{\s*)?-?[0-9]+\s*\}?")  # cm^2: the 2 is not the answer
 _COMMAND_RE = re.compile(r"\\[A-Za-z]+|\\[^A-Za-z0-9]|\\")  # \text, \mbox, \left, \, \( ...
 _NOISE_RE = re.compile(r"[{}*]")  # braces left by \text{...}, markdown bold
+_APPROX_RE = re.compile(r"\\approx|\u2248")  # "55/3 \approx 18.33": the value stated last
+_REMARK_RE = re.compile(r"\([^()]*\)")  # "18 (2 left)": a remark after the answer
+_DIGIT_RE = re.compile(r"[0-9]")
+
+# Longest number read (digits) and largest power computed: no GSM8k answer comes near, and
+# Python refuses int <-> str past 4,300 digits (ValueError), so model text past this is unreadable.
+_MAX_DIGITS = 300
+# A raw answer longer than this is a ramble or a repetition loop, not a number: unreadable
+# without parsing, so a 1 MB box costs one brace scan instead of a dozen regex passes.
+_MAX_ANSWER_CHARS = 10_000
 
 # GSM8k gold solutions: calculator annotations and the final "#### N" line.
 _CALC_RE = re.compile(r"<<[^<>]*>>")
@@ -126,19 +148,17 @@ def format_gold_solution(gsm8k_answer: str) -> str:
 
 def _box_content(text: str, start: int) -> str | None:
     """Content of the brace group opened just before `start`; None if it never closes."""
-    depth, i = 1, start
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # an escaped brace \{ or \} does not open or close a group
-            continue
+    depth = 1
+    # A regex walks from brace to brace: a 1 MB box costs a C scan, not a Python loop per char.
+    for m in _BRACE_RE.finditer(text, start):
+        ch = m.group()
         if ch == "{":
             depth += 1
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i].strip()
-        i += 1
+                return text[start : m.start()].strip()
+        # else an escaped char: \{ or \} does not open or close a group
     return None
 
 
@@ -154,18 +174,29 @@ def extract_strict(text: str) -> str | None:
     return None
 
 
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    m = None
+    for m in pattern.finditer(text):
+        pass
+    return m
+
+
 def extract_lenient(text: str) -> str | None:
-    """Strict, else `#### N`, else "the (final) answer is N", else the last number in the text."""
+    """Strict, else the last `#### N` or "the (final) answer is N" (whichever comes later; in
+    "answer is 5 + 3 = 8" the whole chain), else the last number in the text."""
     strict = extract_strict(text)
-    if strict is not None:
-        return strict
+    return strict if strict is not None else _extract_unboxed(text)
+
+
+def _extract_unboxed(text: str) -> str | None:
+    """Lenient answer of a text that holds no closed, non-empty box."""
     text = text.translate(_MINUS_TRANS)
-    for pattern in (_HASHES_RE, _ANSWER_IS_RE):
-        found = [m.group("ans") for m in pattern.finditer(text)]
-        if found:
-            return found[-1].strip()
-    tokens = _TOKEN_RE.findall(text)
-    return tokens[-1].strip() if tokens else None
+    # The statement written last wins: "#### 5 ... wait, the answer is 6" means 6.
+    found = [m for m in (_last_match(_HASHES_RE, text), _last_match(_ANSWER_IS_RE, text)) if m]
+    if found:
+        return max(found, key=lambda m: m.start()).group("ans").strip()
+    last = _last_match(_TOKEN_RE, text)
+    return last.group().strip() if last else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,12 +226,14 @@ def _frac_sub(m: re.Match) -> str:
     """\\frac{a}{b} (or the mixed number 2\\frac{1}{2}) -> 'p/q' text the scanner reads."""
     a = _plain_fraction(m.group("a") if m.group("a") is not None else m.group("a1"))
     b = _plain_fraction(m.group("b") if m.group("b") is not None else m.group("b1"))
-    if a is None or b is None or b == 0:
-        return " nan "  # \frac{x}{2} is not a number; do not let its 2 stand in for one
-    value = a / b
     whole = m.group("whole")
+    if a is None or b is None or b == 0:
+        # \frac{x}{2} is not a number; do not let its 2 stand in for one. A number before it
+        # stays: in '60 \frac{km}{h}' the fraction is a unit, not the fraction part of 60.
+        return f" {whole or ''} nan "
+    value = a / b
     if whole is not None:
-        w = int(whole)
+        w = _num(whole)
         value = w - value if whole.startswith("-") else w + value
     elif m.group("neg"):
         value = -value
@@ -208,16 +241,39 @@ def _frac_sub(m: re.Match) -> str:
     return f" {_as_text(value)}"
 
 
+class _TooBig(ValueError):
+    """A number or power past `_MAX_DIGITS`: the whole answer is unreadable."""
+
+
 def _num(s: str) -> Fraction:
     """Fraction of a `_NUM` match ('1,234.5')."""
+    if len(s) > _MAX_DIGITS:
+        raise _TooBig(s[:20])
     return Fraction(s.replace(",", ""))
+
+
+def _power(base: Fraction, exp_text: str) -> Fraction:
+    """base ** exp, refused when the result would pass `_MAX_DIGITS` digits."""
+    if len(exp_text) > 4:  # before int(): the exponent itself may be 1 MB of digits
+        raise _TooBig(exp_text[:20])
+    exp = int(exp_text)
+    size = max(len(str(abs(base.numerator))), len(str(base.denominator)))
+    if abs(exp) * size > _MAX_DIGITS:
+        raise _TooBig(f"^{exp}")
+    return base**exp
 
 
 def _pow_sub(m: re.Match) -> str:
     """'b^e' -> its value; 0^-1 is no number."""
     base = _num(m.group("b"))
-    exp = int(m.group("e"))
-    return " nan " if base == 0 and exp < 0 else _as_text(base**exp)
+    if base == 0 and m.group("e").startswith("-"):
+        return " nan "
+    return _as_text(_power(base, m.group("e")))
+
+
+def _sci_sub(m: re.Match) -> str:
+    """'2.5 \\times 10^3' -> its value."""
+    return _as_text(_num(m.group("m")) * _power(Fraction(10), m.group("e")))
 
 
 def _as_text(value: Fraction) -> str:
@@ -226,10 +282,25 @@ def _as_text(value: Fraction) -> str:
 
 
 def normalize_answer(raw: str) -> Fraction | None:
-    """Exact number in a raw answer ('\\$1,234.50', '\\frac{1}{2}', '18 apples', 'x = 18');
-    the last one when several remain (in '5 + 3 = 8' the answer is 8); None if there is none."""
-    if raw is None:
+    """Exact number in a raw answer ('\\$1,234.50', '\\frac{1}{2}', '18 apples', 'x = 18'); None
+    if it holds none or is unreadable.
+
+    The answer is the number after the last `=` ('5 + 3 = 8' is 8). Expressions are not
+    evaluated: when another number follows it there, outside a parenthesised remark ('18 (2
+    left)' is 18), the answer is an expression or a list of alternatives ('3 \\times 18',
+    '19 \\text{ or } 18', '17-18') and unreadable, never credited by one of its operands.
+    Powers ('10^6', '2.5 \\times 10^3') and fractions are numbers, not expressions. A number
+    longer than `_MAX_DIGITS`, or a power that would be, makes the answer unreadable."""
+    if raw is None or len(raw) > _MAX_ANSWER_CHARS:
         return None
+    try:
+        return _read_number(raw)
+    except ValueError:
+        # _TooBig, and a safety net: model text must never stop a stage with an exception.
+        return None
+
+
+def _read_number(raw: str) -> Fraction | None:
     s = raw.translate(_MINUS_TRANS)
     s = _LATEX_COMMA_RE.sub(",", s)
     s = _THIN_SEP_RE.sub("", s)
@@ -239,24 +310,28 @@ def normalize_answer(raw: str) -> Fraction | None:
         if not n:
             break
     s = _DOLLAR_PERCENT_RE.sub("", s)  # removed, not spaced, so '-$5' keeps its sign
-    # 2.5 \times 10^3 and 10^6 are evaluated, else their exponent would be "the last number".
-    s = _SCI_RE.sub(lambda m: _as_text(_num(m.group("m")) * Fraction(10) ** int(m.group("e"))), s)
+    # 2.5 \times 10^3 and 10^6 are evaluated, else their exponent would read as a second number.
+    s = _SCI_RE.sub(_sci_sub, s)
     s = _POW_RE.sub(_pow_sub, s)
     s = _UNIT_POW_RE.sub(" ", s)
+    s = _APPROX_RE.sub("=", s)
     s = _COMMAND_RE.sub(" ", s)
     s = _NOISE_RE.sub(" ", s)
-    matches = list(_SCAN_RE.finditer(s))
-    if not matches:
+    tail = s.rpartition("=")[2]
+    m = _SCAN_RE.search(tail)
+    if not m:
         return None
-    m = matches[-1]
+    if _DIGIT_RE.search(_REMARK_RE.sub(" ", tail[m.end() :])):
+        return None  # an expression or alternatives: '3 x 18', '19 or 18', '17-18'
     return _value(m.group("sign"), m.group("num"), m.group("den"))
 
 
 def answers_match(pred_raw: str | None, gold: str) -> bool:
     """True when both parse to the same exact number ('18.0' == '18', '0.5' == '1/2')."""
-    if pred_raw is None:
-        return False
-    pred, want = normalize_answer(pred_raw), normalize_answer(gold)
+    return _same(normalize_answer(pred_raw), normalize_answer(gold))
+
+
+def _same(pred: Fraction | None, want: Fraction | None) -> bool:
     return pred is not None and want is not None and pred == want
 
 
@@ -269,9 +344,9 @@ class Grade:
     strict: str | None  # raw strict extraction (last \boxed{} content)
     lenient: str | None  # raw lenient extraction
     format: bool  # has a \boxed{} answer (strict is not None)
-    correct_strict: bool
-    correct_lenient: bool
-    correct: bool  # under the extractor chosen by `reward_extractor`
+    correct_strict: bool  # the strict answer equals gold (even in a completion cut at max tokens)
+    correct_lenient: bool  # the lenient answer equals gold (idem)
+    correct: bool  # reward == +1: right under `reward_extractor` and not cut at max tokens
     reward: float  # +1 correct, 0 wrong, -1 no parsable answer or cut at max tokens
     reason: str  # short human text for the browser
 
@@ -285,23 +360,40 @@ def _short(s: str, limit: int = 40) -> str:
 def grade(
     completion: str, gold: str, finish_reason: str = "stop", reward_extractor: str = "strict"
 ) -> Grade:
-    """Grade one completion against the gold number; reward under `reward_extractor`."""
+    """Grade one completion against the gold number; reward under `reward_extractor`.
+
+    How a raw answer reads is `normalize_answer`'s rule: the number after the last `=`; a box
+    holding an expression or alternatives is unreadable (not evaluated). No text raises: an
+    answer that cannot be read, however long or odd, is graded -1 "unreadable".
+
+    A completion cut at max tokens (`finish_reason == "length"`) gets reward -1 and `correct`
+    False even with a right box. `correct_strict` / `correct_lenient` still say whether the
+    extracted answer equals gold (the browser shows it); the accuracy metrics (`stats`,
+    `evaluate`, the loop) count a cut completion as not correct, so accuracy and reward agree.
+    """
     if reward_extractor not in EXTRACTORS:
         raise ValueError(f"reward_extractor must be one of {EXTRACTORS}, got {reward_extractor!r}")
     strict = extract_strict(completion)
-    lenient = extract_lenient(completion)
-    correct_strict = answers_match(strict, gold)
-    correct_lenient = answers_match(lenient, gold)
+    # extract_lenient, without scanning the boxes a second time.
+    lenient = strict if strict is not None else _extract_unboxed(completion)
+    # Each raw answer is read once (lenient is the strict box whenever there is one).
+    strict_value = normalize_answer(strict)
+    lenient_value = strict_value if lenient == strict else normalize_answer(lenient)
+    want = normalize_answer(gold)
+    correct_strict = _same(strict_value, want)
+    correct_lenient = _same(lenient_value, want)
     chosen = strict if reward_extractor == "strict" else lenient
-    correct = correct_strict if reward_extractor == "strict" else correct_lenient
+    chosen_value = strict_value if reward_extractor == "strict" else lenient_value
+    cut = finish_reason == "length"
+    correct = (correct_strict if reward_extractor == "strict" else correct_lenient) and not cut
 
-    if finish_reason == "length":
+    if cut:
         # Even a right box counts as a failure: the model did not finish its answer.
         reward, reason = REWARD_INVALID, "cut at max tokens"
     elif chosen is None:
         reward = REWARD_INVALID
         reason = "no \\boxed{} answer" if reward_extractor == "strict" else "no answer found"
-    elif normalize_answer(chosen) is None:
+    elif chosen_value is None:
         reward, reason = REWARD_INVALID, f"unreadable answer: {_short(chosen)}"
     elif correct:
         reward, reason = REWARD_CORRECT, f"correct ({reward_extractor})"

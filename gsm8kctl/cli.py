@@ -6,6 +6,7 @@ arguments are config overrides (`+key=value` too), exactly like the original com
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -15,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from gsm8kctl.config import load_config, set_value
+from gsm8kctl.config import load_config
 from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, UserError
 
 app = typer.Typer(
@@ -43,6 +44,15 @@ Overrides = Annotated[Optional[list[str]], typer.Argument(help="Config overrides
                                                           show_default=False)]
 
 
+# OSError numbers that mean "this path cannot be used as given", not a fault of the program.
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EROFS,
+                errno.ENAMETOOLONG, errno.ELOOP}
+
+
+def _is_path_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.filename is not None and exc.errno in _PATH_ERRNOS
+
+
 def _handle_errors(fn):
     """One place maps exceptions to exit codes; GSM8KCTL_DEBUG=1 re-raises for a traceback."""
 
@@ -64,6 +74,9 @@ def _handle_errors(fn):
         except Exception as exc:  # noqa: BLE001 - the last line of defence
             if os.environ.get("GSM8KCTL_DEBUG"):
                 raise
+            if _is_path_error(exc):  # a path the stages' checks did not foresee: still the user's input
+                typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
+                raise typer.Exit(EXIT_BAD_INPUT)
             typer.echo(f"Internal error: {type(exc).__name__}: {exc} (GSM8KCTL_DEBUG=1 shows the traceback)",
                        err=True)
             raise typer.Exit(EXIT_INTERNAL)
@@ -71,13 +84,14 @@ def _handle_errors(fn):
     return wrapper
 
 
-def _config(config: Optional[Path], overrides: Optional[list[str]], **typed) -> dict:
-    """Defaults < --config file < key=value overrides < typed options given on the command line."""
-    cfg = load_config(config, overrides or [])
-    for key, value in typed.items():
-        if value is not None:
-            set_value(cfg, key, value)
-    return cfg
+def _config(config: Optional[Path], overrides: Optional[list[str]], command: Optional[str] = None,
+            **typed) -> dict:
+    """Defaults < --config file < key=value overrides < typed options given on the command line.
+
+    Checked once against the schema, options included, before the command does any work;
+    `command` adds the rules only it needs (the loop's max_agent_forks >= attempts).
+    """
+    return load_config(config, overrides or [], options=typed, command=command)
 
 
 def _split_paths(args: Optional[list[str]]) -> tuple[list[str], list[str]]:
@@ -253,7 +267,7 @@ def loop(
     """The RL loop: evaluate, sample, filter, finetune, record; crash-safe resume."""
     from gsm8kctl.stages.loop import loop as run
 
-    cfg = _config(config, overrides, attempts=attempts, iterations=iterations, model=model, backend=backend,
+    cfg = _config(config, overrides, "loop", attempts=attempts, iterations=iterations, model=model, backend=backend,
                   data_dir=str(data_dir) if data_dir else None)
     run(cfg, str(run_dir), quiet=quiet)
 
@@ -299,8 +313,54 @@ def browse(
         open_browser=open_browser, tokenizer=str(tokenizer) if tokenizer else None, quiet=quiet)
 
 
+def _click_exceptions():
+    """The click exception classes typer raises (typer >= 0.20 vendors click as typer._click)."""
+    return sys.modules[typer.BadParameter.__module__]
+
+
+def _usage_error_line(exc) -> str:
+    """A click usage error as one line (`--attempts: 'abc' is not a valid integer`), not a 5-line box."""
+    if isinstance(exc, typer.BadParameter) and exc.param is not None and exc.message:
+        p = exc.param
+        name = max(p.opts, key=len) if getattr(p, "opts", None) and p.param_type_name == "option" \
+            else p.human_readable_name
+        cause = exc.__cause__
+        errors = getattr(cause, "errors", None)
+        if callable(errors):  # typer converts with pydantic: the first error holds the raw input
+            first = errors()[0]
+            kind = str(first.get("type", ""))
+            value = first.get("input")
+            for prefix, what in (("int_", "a valid integer"), ("float_", "a valid number"),
+                                 ("bool_", "true or false")):
+                if kind.startswith(prefix):
+                    return f"{name}: {value!r} is not {what}"
+            return f"{name}: {value!r}: {str(first.get('msg', exc.message)).rstrip('.')}"
+        return f"{name}: {exc.message.rstrip('.')}"
+    text = " ".join(exc.format_message().split())
+    return f"{text.rstrip('.')} (see --help)"
+
+
 def main() -> None:
-    app()
+    """Run the app; a usage error (bad option, bad typed value) is one `Error:` line and exit 2."""
+    errors = _click_exceptions()
+    try:
+        rv = app(standalone_mode=False)
+    except errors.NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help())
+        sys.exit(EXIT_BAD_INPUT)
+    except errors.UsageError as exc:  # BadParameter, NoSuchOption, MissingParameter...
+        if os.environ.get("GSM8KCTL_DEBUG"):
+            raise
+        typer.echo(f"Error: {_usage_error_line(exc)}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except errors.ClickException as exc:
+        typer.echo(f"Error: {' '.join(exc.format_message().split())}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("Aborted.", err=True)
+        sys.exit(EXIT_INTERNAL)
+    # Without standalone mode click returns the exit code of a typer.Exit, or the command's value.
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Plain YAML configuration: `configs/default.yaml` holds every key; files and overrides merge on it.
 
 One merge function, no object instantiation. Overrides are `key.sub=value` or `+key.sub=value`
-(Hydra's "add" syntax, accepted as a plain override); values parse as YAML scalars.
+(Hydra's "add" syntax, accepted as a plain override); values parse as YAML scalars. Typed CLI
+options (--attempts, --max-tokens ...) merge last. The merged config is then checked once,
+completely, against the typed schema in `config_schema.py`: a bad value is one UserError that
+names the key and where the value came from (the file, the override or the option), raised
+before any model loads or file is written. The config stays a plain dict (`cfg["sampling"]["max_tokens"]`).
 """
 
 from __future__ import annotations
@@ -9,14 +13,16 @@ from __future__ import annotations
 import difflib
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import yaml
 
+from gsm8kctl import config_schema as schema
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_text
 
 CONFIG_FILE = "config.yaml"
+DEFAULTS_SOURCE = "gsm8kctl/configs/default.yaml"
 
 
 def default_config() -> dict:
@@ -24,59 +30,33 @@ def default_config() -> dict:
     return yaml.safe_load(text)
 
 
-def _flat_keys(cfg: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for k, v in cfg.items():
-        full = f"{prefix}{k}"
-        keys.append(full)
-        if isinstance(v, dict):
-            keys.extend(_flat_keys(v, full + "."))
-    return keys
-
-
-def _unknown_key(key: str, where: str, valid: list[str]) -> UserError:
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+def _unknown_key(key: str, where: str) -> UserError:
+    close = difflib.get_close_matches(key, schema.dotted_keys(), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return UserError(f"{where}: unknown config key '{key}'{hint}")
 
 
-def _check_type(key: str, value: Any, default: Any, where: str) -> Any:
-    """Keep YAML's typing but refuse a value whose type cannot stand for the default's."""
-    if default is None or value is None:
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise UserError(f"{where}: '{key}' expects true or false, got {value!r}")
-    elif isinstance(default, (int, float)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{where}: '{key}' expects a number, got {value!r}")
-        if isinstance(default, float):
-            return float(value)
-    elif isinstance(default, list):
-        if isinstance(value, str):
-            return [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise UserError(f"{where}: '{key}' expects a list, got {value!r}")
-    elif isinstance(default, dict):
-        if not isinstance(value, dict):
-            raise UserError(f"{where}: '{key}' is a section, not a value")
-    elif isinstance(default, str) and not isinstance(value, str):
-        return str(value)
-    return value
+def _option_source(dotted: str) -> str:
+    """`sampling.max_tokens` -> `option --max-tokens` (the CLI names options after the last part)."""
+    return f"option --{dotted.rsplit('.', 1)[-1].replace('_', '-')}"
 
 
-def _merge(base: dict, update: dict, where: str, prefix: str = "") -> None:
-    valid = _flat_keys(default_config())
+def _merge(base: dict, update: dict, where: str, origins: dict[str, str], prefix: str = "") -> None:
+    """Copy `update` onto `base` (keys must exist there); record in `origins` who set each key."""
     for k, v in update.items():
         full = f"{prefix}{k}"
         if k not in base:
-            raise _unknown_key(full, where, valid)
+            raise _unknown_key(full, where)
         if isinstance(base[k], dict):
+            if v is None:  # a section whose keys are all commented out
+                continue
             if not isinstance(v, dict):
                 raise UserError(f"{where}: '{full}' is a section, not a value")
-            _merge(base[k], v, where, full + ".")
+            _merge(base[k], v, where, origins, full + ".")
         else:
-            base[k] = _check_type(full, v, base[k], where)
+            base[k] = v
+            origins.pop(full, None)  # re-inserted last: a rule between keys blames the latest setter
+            origins[full] = where
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -110,9 +90,39 @@ def _nested(key: str, value: Any) -> dict:
     return out
 
 
-def load_config(config_file: str | Path | None = None, overrides: Iterable[str] = ()) -> dict:
-    """Defaults, then the YAML file, then `key=value` overrides, each checked against the defaults."""
+def _blame(keys: Iterable[str], origins: Mapping[str, str], fallback: str) -> str:
+    """The source that set the latest of `keys` (origins keep setting order)."""
+    order = {k: i for i, k in enumerate(origins)}
+    set_keys = [k for k in keys if k in order]
+    return origins[max(set_keys, key=order.__getitem__)] if set_keys else fallback
+
+
+def validate(cfg: dict, origins: Mapping[str, str] | None = None, command: str | None = None,
+             fallback: str = "config") -> dict:
+    """Check `cfg` against the schema, normalising it in place (1 -> 1.0 for a float key); returns it.
+
+    `origins` maps dotted keys to the source that set them, for the error; `command` adds the
+    rules only that CLI command needs (config_schema.RULES). Raises the first problem as UserError.
+    """
+    origins = origins or {}
+    for key, problem in schema.check_config(cfg):
+        where = origins.get(key, fallback)
+        if problem == schema.UNKNOWN:
+            raise _unknown_key(key, where)
+        if problem == schema.MISSING:
+            raise UserError(f"{where}: missing config key '{key}'")
+        raise UserError(f"{where}: {key} {problem}")
+    for rule, message in schema.broken_rules(cfg, command):
+        raise UserError(f"{_blame(rule.keys, origins, fallback)}: {message}")
+    return cfg
+
+
+def load_config(config_file: str | Path | None = None, overrides: Iterable[str] = (),
+                options: Mapping[str, Any] | None = None, command: str | None = None) -> dict:
+    """Defaults, then the YAML file, then `key=value` overrides, then typed `options` (dotted key ->
+    value; None = not given); the result is checked against the schema (and `command`'s rules)."""
     cfg = default_config()
+    origins: dict[str, str] = {}
     if config_file:
         p = Path(config_file)
         if not p.exists():
@@ -125,11 +135,14 @@ def load_config(config_file: str | Path | None = None, overrides: Iterable[str] 
             raise UserError(f"{p}{line}: invalid YAML") from None
         if not isinstance(data, dict):
             raise UserError(f"{p}: expected a mapping of config keys")
-        _merge(cfg, data, str(p))
+        _merge(cfg, data, str(p), origins)
     for text in overrides:
         key, value = parse_override(text)
-        _merge(cfg, _nested(key, value), f"override '{text}'")
-    return cfg
+        _merge(cfg, _nested(key, value), f"override '{text}'", origins)
+    for key, value in (options or {}).items():
+        if value is not None:
+            _merge(cfg, _nested(key, value), _option_source(key), origins)
+    return validate(cfg, origins, command=command, fallback=DEFAULTS_SOURCE)
 
 
 def get(cfg: dict, dotted: str) -> Any:
@@ -139,9 +152,21 @@ def get(cfg: dict, dotted: str) -> Any:
     return cur
 
 
-def set_value(cfg: dict, dotted: str, value: Any) -> None:
-    """Set a key that exists in the defaults (typed options of the CLI use this)."""
-    _merge(cfg, _nested(dotted, value), f"option for '{dotted}'")
+def set_value(cfg: dict, dotted: str, value: Any, where: str | None = None) -> None:
+    """Set one existing key, checked against the schema (stages apply their typed options with this)."""
+    where = where or _option_source(dotted)
+    _merge(cfg, _nested(dotted, value), where, {})
+    parent = get(cfg, dotted.rsplit(".", 1)[0]) if "." in dotted else cfg
+    leaf = dotted.rsplit(".", 1)[-1]
+    try:
+        parent[leaf] = schema.check_value(schema.field_type(dotted), value)
+    except schema.Invalid as exc:
+        raise UserError(f"{where}: {dotted} {exc.explain(value)}") from None
+    try:
+        for _rule, message in schema.broken_rules(cfg, involving=dotted):
+            raise UserError(f"{where}: {message}")
+    except KeyError:  # a partial config (a library caller's): the rules cannot be judged here
+        pass
 
 
 def save_config(cfg: dict, path: str | Path) -> None:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
 from gsm8kctl.agent import parse_gold
 from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import read_jsonl_located
+from gsm8kctl.tapes import shown
 
 SPLITS = ("train", "test")
 HUB_DATASET = ("openai/gsm8k", "main")
+# A gold answer as parse_gold returns it (commas removed): every GSM8k gold is an integer; the
+# grader compares numbers, so a word ('seventy-two') could never be matched.
+_GOLD_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)")
 
 
 def data_dir_from(explicit: str | None) -> Path | None:
@@ -47,19 +52,21 @@ def _read_local(path: Path) -> list[dict]:
     would report a broken line without its number (and is not installed everywhere we run).
     """
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-                raise UserError(f"{path}:{lineno}: expected an object with 'question' and 'answer'")
-            if "####" not in row["answer"]:
-                raise UserError(f"{path}:{lineno}: answer has no '#### N' final line")
-            rows.append(row)
+    for where, row in read_jsonl_located(path):
+        missing = [k for k in ("question", "answer") if k not in row]
+        if missing:
+            raise UserError(f"{where}: expected an object with 'question' and 'answer' (missing {', '.join(missing)})")
+        for key in ("question", "answer"):
+            if not isinstance(row[key], str) or not row[key].strip():
+                raise UserError(f"{where}: {key} must be a non-empty string, got {shown(row[key])}")
+        if "####" not in row["answer"]:
+            raise UserError(f"{where}: answer has no '#### N' final line")
+        gold = parse_gold(row["answer"])
+        if not _GOLD_NUMBER.fullmatch(gold):
+            raise UserError(f"{where}: answer: the gold after '####' must be a number, got {shown(gold)}")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: no problems in it (expected one JSON object per line)")
     return rows
 
 

@@ -6,56 +6,109 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from gsm8kctl.errors import UserError
 
 
-def read_jsonl(path: str | Path, *, repair_tail: bool = False) -> Iterator[dict]:
+def read_jsonl(path: str | Path, *, repair_tail: bool = False) -> "JsonlReader":
     """Yield one dict per non-blank line; a bad line is a UserError naming `file:line`.
 
     With `repair_tail`, a last line without its newline (a writer killed mid-line) is skipped,
-    so a resumed writer can continue after it.
+    so a resumed writer can continue after it. The iterator's `where` is the `file:line` of the
+    record it yielded last (like csv.reader's `line_num`), for checks made after the read.
     """
-    for _, record in read_jsonl_located(path, repair_tail=repair_tail):
-        yield record
+    return JsonlReader(path, repair_tail=repair_tail)
+
+
+class JsonlReader:
+    """The records of one JSONL file (or stdin), remembering where the last one came from."""
+
+    def __init__(self, path: str | Path, *, repair_tail: bool = False):
+        self.where = f"{'<stdin>' if str(path) == '-' else path}:0"
+        self._it = read_jsonl_located(path, repair_tail=repair_tail)
+
+    def __iter__(self) -> "JsonlReader":
+        return self
+
+    def __next__(self) -> dict:
+        self.where, record = next(self._it)
+        return record
 
 
 def read_jsonl_located(path: str | Path, *, repair_tail: bool = False) -> Iterator[tuple[str, dict]]:
     """Like `read_jsonl`, yielding (`file:line`, record) so later checks can name the line too."""
     if str(path) == "-":
-        yield from _parse_lines(sys.stdin, "<stdin>", repair_tail=False)
+        # Bytes, so that invalid UTF-8 is reported at its own line (see _parse_lines).
+        yield from _parse_lines(getattr(sys.stdin, "buffer", sys.stdin), "<stdin>", repair_tail=False)
         return
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such file")
     if p.is_dir():
         raise UserError(f"{p}: is a directory, expected a JSONL file")
-    with open(p, encoding="utf-8") as f:
+    with open(p, "rb") as f:
         yield from _parse_lines(f, str(p), repair_tail=repair_tail)
 
 
-def _parse_lines(lines: Iterable[str], name: str, *, repair_tail: bool) -> Iterator[tuple[str, dict]]:
+# Python's json reads NaN, Infinity and -Infinity (not JSON), and 1e999 as inf. A line that could
+# hold such a value is walked for it (the rest are not: walking every token list costs time).
+MAYBE_NONFINITE = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{300}")
+
+
+def nonfinite_key(value, path: str = "") -> str | None:
+    """The key path (`logprobs[3]`, `answer.score`) of the first NaN/±inf float in `value`, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path or "the value")
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for sub, v in items:
+        found = nonfinite_key(v, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def loads_strict(line: str | bytes, where: str):
+    """`json.loads`, refusing non-finite numbers: a UserError naming `where` and the key."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8")
+    value = json.loads(line)
+    if MAYBE_NONFINITE.search(line):
+        key = nonfinite_key(value)
+        if key is not None:
+            raise UserError(f"{where}: {key} is not a finite number (NaN, Infinity or out of float range)")
+    return value
+
+
+def _parse_lines(lines: Iterable[str | bytes], name: str, *, repair_tail: bool) -> Iterator[tuple[str, dict]]:
     lineno = 0
-    it = iter(lines)
-    while True:
+    for line in lines:
         lineno += 1
-        try:
-            line = next(it)
-        except StopIteration:
-            return
-        except UnicodeDecodeError:
-            raise UserError(f"{name}:{lineno}: not a text JSONL file (binary data)") from None
+        if isinstance(line, bytes):
+            # Decoded line by line: a text-mode file decodes in chunks and reports a bad byte
+            # at the first line of its chunk, not at its own.
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{name}:{lineno}: not a text JSONL file (invalid UTF-8 at byte "
+                                f"{exc.start} of the line)") from None
         if not line.strip():
             continue
         if repair_tail and not line.endswith("\n"):
             return
         try:
-            record = json.loads(line)
+            record = loads_strict(line, f"{name}:{lineno}")
         except json.JSONDecodeError as exc:
             raise UserError(f"{name}:{lineno}: invalid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
@@ -86,6 +139,74 @@ def truncate_partial_line(path: str | Path) -> int:
         if keep < size:
             f.truncate(keep)
         return size - keep
+
+
+# Every line our writer (`dumps`) writes for a tape starts like this: a last line without its
+# newline that starts so and does not parse is a tape this program left half-written.
+OWN_LINE_PREFIX = b'{"id":"'
+
+
+class AppendTarget:
+    """An existing JSONL output, checked line by line before anything is appended to it.
+
+    `keys` holds what `check` returned for each record; `repair()` (called only once every other
+    check of the run has passed) cuts a half-written last line of ours, or gives a whole last line
+    its missing newline.
+    """
+
+    def __init__(self, path: str, keys: list, cut_to: int | None = None, add_newline: bool = False):
+        self.path, self.keys, self.cut_to, self.add_newline = path, keys, cut_to, add_newline
+
+    def repair(self) -> None:
+        if self.cut_to is not None:
+            os.truncate(self.path, self.cut_to)
+        elif self.add_newline:
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
+        self.cut_to, self.add_newline = None, False
+
+
+def scan_for_append(path: str | Path, check: Callable[[dict, str], object]) -> AppendTarget:
+    """Check an existing output before appending to it; nothing is changed here.
+
+    Every complete line must be a JSON object that `check(record, "file:line")` accepts (it
+    raises UserError otherwise). A last line without its newline is dropped only when it is a
+    fragment of our own writer's (does not parse, starts with OWN_LINE_PREFIX); one that parses
+    and passes `check` is kept. Anything else (a text file, someone else's JSON) is refused with
+    its file and line, so appending never damages a file we did not write.
+    """
+    p = Path(path)
+    if not p.exists():
+        return AppendTarget(str(p), [])
+    refuse = "; refusing to append to it (choose another output path)"
+    keys: list = []
+    offset = 0
+    lineno = 0
+    with open(p, "rb") as f:
+        for raw in f:
+            lineno += 1
+            where = f"{p}:{lineno}"
+            start, offset = offset, offset + len(raw)
+            whole = raw.endswith(b"\n")
+            if not raw.strip():
+                if not whole:
+                    return AppendTarget(str(p), keys, add_newline=True)
+                continue
+            try:
+                record = loads_strict(raw, where)
+            except UnicodeDecodeError:
+                raise UserError(f"{where}: not a text JSONL file (binary data){refuse}") from None
+            except json.JSONDecodeError as exc:
+                if not whole and raw.startswith(OWN_LINE_PREFIX):
+                    return AppendTarget(str(p), keys, cut_to=start)  # our half-written last line
+                tail = " (an incomplete last line)" if not whole else ""
+                raise UserError(f"{where}: invalid JSON ({exc.msg}){tail}{refuse}") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}{refuse}")
+            keys.append(check(record, where))
+            if not whole:
+                return AppendTarget(str(p), keys, add_newline=True)
+    return AppendTarget(str(p), keys)
 
 
 def dumps(record: dict) -> str:

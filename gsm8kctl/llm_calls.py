@@ -14,6 +14,8 @@ from typing import Iterable
 import sqlite_utils
 from sqlite_utils.db import Database
 
+from gsm8kctl.errors import UserError
+
 TABLE = "llm_calls"
 
 
@@ -43,11 +45,66 @@ def open_log(path: str | Path) -> Database:
     """Open (creating and migrating) the call log for writing."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite_utils.Database(p)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA busy_timeout=30000")
-    migrations.apply(db)
+    try:
+        db = sqlite_utils.Database(p)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA busy_timeout=30000")
+        migrations.apply(db)
+    except sqlite3.DatabaseError as exc:
+        raise UserError(f"{p}: cannot open the LLM call log ({exc}); move it away or pass another "
+                        "--llm-calls") from None
     return db
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# Tables of ours: the log, sqlite-utils' migration record, and any later table named after the log.
+_OWN_TABLES = ("llm_calls", "_sqlite_migrations")
+
+
+def check_log(path: str | Path) -> None:
+    """Refuse an existing call log that is not a sound sqlite database of ours, before any work.
+
+    Cheap whatever the size: the 100-byte header (magic, page size, page count against the file
+    size, which catches a truncated copy) and the schema, read with `immutable=1` so that the
+    check itself creates no -wal/-shm file and changes nothing.
+    """
+    p = Path(path)
+    if not p.exists():
+        return
+    hint = "; move it away or pass another --llm-calls"
+    if p.is_dir():
+        raise UserError(f"{p}: is a directory, expected the LLM call log (sqlite){hint}")
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            header = f.read(100)
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read the LLM call log ({exc.strerror})") from None
+    if size == 0:
+        return  # sqlite treats an empty file as an empty database
+    if len(header) < 100 or not header.startswith(SQLITE_MAGIC):
+        raise UserError(f"{p}: not an SQLite database (corrupt, or another kind of file){hint}")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    # The header's page count is valid when its change counter matches "version-valid-for".
+    if header[24:28] == header[92:96] and pages and size < pages * page_size:
+        raise UserError(f"{p}: truncated SQLite database ({size} bytes, its header says "
+                        f"{pages * page_size}){hint}")
+    try:
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+        try:
+            tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            columns = {r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise UserError(f"{p}: corrupt SQLite database ({exc}){hint}") from None
+    foreign = [t for t in tables if not t.startswith(_OWN_TABLES) and not t.startswith("sqlite_")]
+    if foreign:
+        raise UserError(f"{p}: an SQLite database but not an LLM call log of ours (table {foreign[0]}){hint}")
+    if TABLE in tables and not {"id", "tape_id"} <= columns:
+        raise UserError(f"{p}: table {TABLE} has no id/tape_id columns: not an LLM call log of ours{hint}")
 
 
 def open_readonly(path: str | Path) -> sqlite3.Connection:

@@ -28,7 +28,7 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return chosen, entropy
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    score_mask: torch.Tensor, *, chunk_tokens: int = 1024,
                    position_ids: torch.Tensor | None = None,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -36,7 +36,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     Returns (logprobs, entropy), each [B, T] float32, zero where score_mask is False; entropy is
     the full-distribution entropy at those positions when `with_entropy`, else None.
-    `score_mask[:, 0]` must be False (the first token has no context).
+    `score_mask[:, 0]` must be False (the first token has no context). `attention_mask=None`
+    (with `position_ids`) is for right-padded rows, where causal attention alone is exact.
     """
     if position_ids is None:
         # Left padding shifts positions; count from the first real token of each row.

@@ -39,7 +39,25 @@ def resolve_model(name: str) -> str:
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise UserError(f"unknown model '{name}': not a directory, not a hub id (org/name), "
                         f"not one of: {', '.join(EMBEDDED)}")
+    if _hub_offline() and not _in_hub_cache(name):
+        # Say so now: offline, transformers would fail deep inside the model load.
+        raise UserError(f"unknown model '{name}': not a directory and not in the Hugging Face cache, "
+                        "and HF_HUB_OFFLINE is set (download it online first, or pass a local directory)")
     return name  # hub id; transformers/vLLM download it when online
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an invalid repo id, or huggingface_hub missing: not in the cache either
+        return False
 
 
 def _gguf_path(name: str) -> Path:

@@ -25,6 +25,7 @@ from typing import Iterable
 
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import read_jsonl_located
+from gsm8kctl.tapes import is_int_list, is_number, shown
 
 SAMPLE_KEYS = (
     "id", "tape_id", "problem_id", "group_id", "iteration", "model", "input_ids", "prompt_len",
@@ -42,12 +43,7 @@ def is_sample(record: dict) -> bool:
 iter_jsonl_lines = read_jsonl_located
 
 
-def _is_int_list(x) -> bool:
-    return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+_is_int_list, _is_number = is_int_list, is_number
 
 
 def check_sample(record: dict, where: str, *, seq_length: int | None = None,
@@ -59,11 +55,15 @@ def check_sample(record: dict, where: str, *, seq_length: int | None = None,
     missing = [k for k in REQUIRED_KEYS if k not in record]
     if missing:
         raise UserError(f"{where}: not a training sample (missing {', '.join(missing)})")
+    sid = record["id"]
+    if isinstance(sid, bool) or not isinstance(sid, (str, int)) or sid == "":
+        raise UserError(f"{where}: id must be a non-empty string, got {shown(sid)}")
     ids, pl = record["input_ids"], record["prompt_len"]
     if not _is_int_list(ids) or not ids:
         raise UserError(f"{where}: input_ids must be a non-empty list of token ids")
     if not isinstance(pl, int) or isinstance(pl, bool) or not 1 <= pl < len(ids):
-        raise UserError(f"{where}: prompt_len must be in 1..{len(ids) - 1} (len(input_ids) = {len(ids)}), got {pl!r}")
+        raise UserError(f"{where}: prompt_len must be in 1..{len(ids) - 1} (len(input_ids) = {len(ids)}), "
+                        f"got {shown(pl)}")
     n_comp = len(ids) - pl
     for key in ("old_logprobs", "ref_logprobs"):
         lp = record.get(key)
@@ -73,7 +73,10 @@ def check_sample(record: dict, where: str, *, seq_length: int | None = None,
             raise UserError(f"{where}: {key} must hold {n_comp} numbers (one per completion token)")
     for key in ("reward", "weight"):
         if not _is_number(record[key]):
-            raise UserError(f"{where}: {key} must be a finite number, got {record[key]!r}")
+            raise UserError(f"{where}: {key} must be a finite number, got {shown(record[key])}")
+    for key in ("advantage", "kl"):
+        if record.get(key) is not None and not _is_number(record[key]):
+            raise UserError(f"{where}: {key} must be a finite number or null, got {shown(record[key])}")
     if seq_length is not None and len(ids) > seq_length:
         raise UserError(f"{where}: sample {record['id']} has {len(ids)} tokens, more than "
                         f"finetune.seq_length={seq_length}; raise finetune.seq_length or "

@@ -3,12 +3,12 @@
     with VLLMServer(model_dir, log_path=run_dir / "vllm-server.log") as srv:
         backend = OpenAIBackend(model_dir, base_url=srv.base_url)
 
-Process layout: a small supervisor (`python -m gsm8kctl.serve --supervise ...`) leads a new
-session/process group; the server and everything it spawns (vLLM's engine core and worker)
-inherit that group. Stopping sends TERM to the whole group, waits `grace_s`, then KILLs it.
-If our process dies without stopping it (SIGKILL, crash), the kernel sends the supervisor
-SIGTERM (`prctl(PR_SET_PDEATHSIG)`; it also polls its parent id as a fallback) and the
-supervisor takes the group down the same way: no orphaned engine keeps a port and 5 GiB.
+Process layout: the server runs under the supervisor of `gsm8kctl.procs` (`start_supervised`),
+which leads a new session/process group and is a child subreaper: the server and everything it
+spawns (vLLM's engine core and worker) stay below it. Stopping sends TERM to the whole group,
+waits `grace_s`, then KILLs it. If our process dies without stopping it (SIGKILL, crash), the
+kernel sends the supervisor SIGTERM (`PR_SET_PDEATHSIG`; it also polls its parent id) and it
+takes every descendant down the same way: no orphaned engine keeps a port and 5 GiB.
 
 PR_SET_PDEATHSIG fires when the *thread* that started the server exits: start servers from a
 long-lived thread (the main thread); to start several at once call `start()` on each, then
@@ -17,11 +17,9 @@ long-lived thread (the main thread); to start several at once call `start()` on 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,48 +27,10 @@ import time
 from pathlib import Path
 
 from gsm8kctl.errors import UserError
+from gsm8kctl.procs import free_port, group_alive, start_supervised
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEALTH_PATH = "/health"
-_PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the server may still lose a race for it: retried)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent(parent_pid: int):
-    """preexec_fn: ask the kernel for SIGTERM when the parent goes away (Linux).
-
-    Everything is looked up before the fork: between fork and exec the child may only make plain
-    calls (another thread of ours could hold the import lock at fork time).
-    """
-    prctl = None
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    getppid, exit_ = os.getppid, os._exit
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if getppid() != parent_pid:  # the parent died before prctl took effect
-            exit_(1)
-    return preexec
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ServerProcess:
@@ -111,11 +71,8 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab", buffering=0)
         self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.cmd)}\n".encode())
-        sup = [sys.executable, "-m", "gsm8kctl.serve", "--supervise", "--grace", str(self.grace_s),
-               "--parent", str(os.getpid()), "--"]
-        self.proc = subprocess.Popen(sup + self.cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                     preexec_fn=_die_with_parent(os.getpid()), close_fds=True)
+        self.proc = start_supervised(self.cmd, grace_s=self.grace_s, env=self.env, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT, close_fds=True)
         self._started = time.monotonic()
         return self
 
@@ -260,57 +217,3 @@ class VLLMServer(ServerProcess):
                 self.proc = None
                 self.start()
         raise AssertionError("unreachable")
-
-
-# ------------------------------------------------------------------------------- supervisor
-class _Stop(Exception):
-    pass
-
-
-def _supervise(cmd: list[str], grace_s: float, parent: int) -> int:
-    """Run `cmd` in our process group; on TERM/INT/HUP or parent death take the whole group down."""
-    def on_signal(signum, frame):
-        raise _Stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    rc = 1
-    child = None
-    try:
-        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        while True:
-            try:
-                rc = child.wait(timeout=1.0)
-                break  # the server exited on its own: clear up whatever it left in the group
-            except subprocess.TimeoutExpired:
-                if os.getppid() != parent:  # fallback when PDEATHSIG is unavailable
-                    raise _Stop()
-    except _Stop:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(0, signal.SIGTERM)  # the group may not have had it (parent death)
-        if child is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(timeout=grace_s)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.killpg(0, signal.SIGKILL)  # every straggler, and this supervisor too
-    return rc
-
-
-def _main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gsm8kctl.serve")
-    ap.add_argument("--supervise", action="store_true", required=True)
-    ap.add_argument("--grace", type=float, default=15)
-    ap.add_argument("--parent", type=int, required=True)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = ap.parse_args(argv)
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    return _supervise(cmd, args.grace, args.parent)
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import time
 from typing import Any
 
 from gsm8kctl.agent import Grade
+from gsm8kctl.errors import UserError
 
 TAPES_FILE = "tapes.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -20,6 +23,73 @@ TAPE_KEYS = (
     "answer", "correct", "reward", "finish_reason", "prompt_token_ids", "completion_token_ids",
     "logprobs", "created",
 )
+
+# What every reader of tapes relies on; filter (tokens=True) needs the token ids as well.
+TAPE_REQUIRED = ("id", "problem_id", "reward")
+TOKEN_KEYS = ("prompt_token_ids", "completion_token_ids")
+# Optional keys: None, or a value of this type (bool is an int: old tapes wrote 0/1).
+_OPTIONAL_TYPES = (
+    ("iteration", int, "an integer"), ("attempt", int, "an integer"), ("answer", dict, "an object"),
+    ("steps", list, "a list"), ("finish_reason", str, "a string"), ("correct", (bool, int), "true or false"),
+)
+
+
+def is_number(x) -> bool:
+    """A finite JSON number (not a bool; an int too large for a float is not finite either)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def is_int_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+
+
+def shown(value, limit: int = 40) -> str:
+    """A value as JSON, cut to `limit` characters, for error messages."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_tape(t: dict, where: str, *, tokens: bool = False) -> dict:
+    """Validate one tape (the schema of `make_tape`); errors name `file:line` and the key.
+
+    With `tokens` the token ids must be there (filter trains on them); without, they may be null:
+    tapes gathered from TapeAgents have none and still have stats and a browser page.
+    """
+    if "input_ids" in t and "prompt_len" in t:
+        raise UserError(f"{where}: this is a training sample (filter output), not a tape")
+    missing = [k for k in TAPE_REQUIRED + (TOKEN_KEYS if tokens else ()) if k not in t]
+    if missing:
+        raise UserError(f"{where}: not a tape (missing {', '.join(missing)})")
+    for key in ("id", "problem_id"):
+        v = t[key]
+        if isinstance(v, bool) or not isinstance(v, (str, int)) or v == "":
+            raise UserError(f"{where}: {key} must be a non-empty string, got {shown(v)}")
+    tid = t["id"]
+    if not is_number(t["reward"]):
+        raise UserError(f"{where}: reward must be a finite number, got {shown(t['reward'])} (tape {tid})")
+    for key in TOKEN_KEYS:
+        ids = t.get(key)
+        if (ids is not None or tokens) and not is_int_list(ids):
+            raise UserError(f"{where}: {key} must be a list of token ids, got {shown(ids)} (tape {tid})")
+    if tokens and not t["prompt_token_ids"]:
+        raise UserError(f"{where}: prompt_token_ids is empty (tape {tid})")
+    lp, comp = t.get("logprobs"), t.get("completion_token_ids")
+    if lp is not None and (not isinstance(lp, list) or not all(is_number(v) for v in lp)
+                           or (isinstance(comp, list) and len(lp) != len(comp))):
+        raise UserError(f"{where}: logprobs must hold one finite number per completion token (tape {tid})")
+    for key, typ, what in _OPTIONAL_TYPES:
+        v = t.get(key)
+        if v is not None and (not isinstance(v, typ) or (typ is int and isinstance(v, bool))):
+            raise UserError(f"{where}: {key} must be {what}, got {shown(v)} (tape {tid})")
+    return t
 
 
 def tape_id(problem_id: str, iteration: int, attempt: int, model: str) -> str:

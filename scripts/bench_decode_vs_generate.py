@@ -40,7 +40,9 @@ def main() -> None:
 
     path = resolve_model(a.model)
     rows = a.prompts * a.n
-    backend = TransformersBackend(path, batch_size=rows)
+    from gsm8kctl.config import load_config
+
+    backend = TransformersBackend(path, load_config(None, [f"sampling.batch_size={rows}"]))
     tok, model = backend.tokenizer, backend.model_obj
     problems = load_problems("test", os.environ.get("GSM8K_DIR"))[:a.prompts]
     prompts = [render_prompt(tok, build_messages(p["question"]))[1] for p in problems]

@@ -541,6 +541,78 @@ def test_foreign_host_header_is_refused(site):
     assert site["client"].get("/", headers={"host": "localhost:7680"}).status_code == 200
 
 
+@pytest.mark.parametrize("bound", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_host_header_check_on_every_loopback_address(tmp_path, monkeypatch, bound):
+    """The check is on for any loopback --host (127.0.0.0/8, ::1), not only 127.0.0.1/localhost."""
+    import uvicorn
+
+    from gsm8kctl.stages import browse as stage
+
+    apps = []
+    monkeypatch.setattr(stage, "_bind", lambda host, port: __import__("socket").socket())
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
+    make_run(tmp_path / "run", iterations=1, eval_problems=0, calls=False)
+    stage.browse(str(tmp_path / "run"), host=bound, port=0, quiet=True)
+    with TestClient(apps[0], base_url=BASE) as c:
+        for evil in ("evil.example.com", "evil.example.com:7680", "127.0.0.1.evil.example", "[::2]:80",
+                     "localhost.evil.example", "10.0.0.1"):
+            assert c.get("/", headers={"host": evil}).status_code == 400, (bound, evil)
+        for good in ("127.0.0.1:7680", "127.0.0.2", "localhost:7680", "[::1]:7680", "LOCALHOST"):
+            assert c.get("/", headers={"host": good}).status_code == 200, (bound, good)
+
+
+def test_host_header_check_is_off_where_the_user_shares(tmp_path, monkeypatch):
+    import uvicorn
+
+    from gsm8kctl.stages import browse as stage
+
+    apps = []
+    monkeypatch.setattr(stage, "_bind", lambda host, port: __import__("socket").socket())
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: apps.append(self.config.app))
+    make_run(tmp_path / "run", iterations=1, eval_problems=0, calls=False)
+    stage.browse(str(tmp_path / "run"), host="0.0.0.0", port=0, quiet=True)
+    with TestClient(apps[0], base_url=BASE) as c:
+        assert c.get("/", headers={"host": "box.example.com:7680"}).status_code == 200
+
+
+def test_symlinks_out_of_path_are_not_served(tmp_path):
+    """A tapes file (or directory) inside PATH that links outside it is neither indexed nor read."""
+    import random
+
+    rng = random.Random(0)
+    outside = tmp_path / "outside"
+    secret = fake_tape(iteration=0, split="train", problem_index=7, attempt=0, outcome="correct", rng=rng)
+    secret["id"] = "secret-tape"
+    write_jsonl(outside / "tapes.jsonl", [secret])
+    run = tmp_path / "run"
+    make_run(run, iterations=1, eval_problems=0, calls=False)
+    (run / "iterations" / "0001").mkdir()
+    (run / "iterations" / "0001" / "tapes.jsonl").symlink_to(outside / "tapes.jsonl")
+    (run / "linked").symlink_to(outside, target_is_directory=True)
+    # A link that stays inside PATH is fine.
+    (run / "iterations" / "0000" / "again.tapes.jsonl").symlink_to(run / "iterations" / "0000" / "tapes.jsonl")
+    found = [str(p.relative_to(run)) for p in discover_tape_files(run)]
+    assert found == ["iterations/0000/again.tapes.jsonl", "iterations/0000/tapes.jsonl"]
+    with TestClient(create_app(run), base_url=BASE) as c:
+        ids = all_listed(c)
+        assert ids and "secret-tape" not in ids
+        assert c.get("/tapes/secret-tape").status_code == 404
+        assert c.get("/raw/secret-tape").status_code == 404
+        assert "secret-tape" not in c.get("/?q=secret").text
+    # A served file swapped for a link out of PATH after indexing is not read any more.
+    index = TapeIndex(run)
+    row = index.row(all_listed_ids(index)[0])
+    real = run / "iterations" / "0000" / "tapes.jsonl"
+    real.rename(run / "moved.jsonl")
+    real.symlink_to(outside / "tapes.jsonl")
+    assert index.load(row) is None
+    index.close()
+
+
+def all_listed_ids(index: TapeIndex) -> list[str]:
+    return [r["id"] for r in index.page(Filters(), "file", 0, 500)]
+
+
 def _raw_get(app, raw_path: str) -> tuple[int, bytes]:
     """Send a path to the ASGI app exactly as given (clients normalize '..')."""
     sent = []
@@ -644,6 +716,30 @@ def test_duplicate_ids_and_non_tapes_are_counted(tmp_path):
     s = index.summary()
     assert s["total"] == 1
     assert [(f["tapes"], f["duplicates"], f["not_tapes"]) for f in s["files"]] == [(1, 0, 2), (0, 1, 0)]
+    index.close()
+
+
+def test_nan_and_infinity_lines_are_bad_lines_not_tapes(tmp_path):
+    """Python's json reads NaN/Infinity; the index refuses them as it refuses invalid JSON."""
+    import random
+
+    rng = random.Random(0)
+    ok = fake_tape(iteration=0, split="train", problem_index=0, attempt=0, outcome="correct", rng=rng)
+    lines = [json.dumps(ok)]
+    for i, (key, bad) in enumerate((("reward", "NaN"), ("logprobs", "[-0.5, -Infinity]"), ("reward", "1e999"))):
+        t = fake_tape(iteration=0, split="train", problem_index=0, attempt=i + 1, outcome="wrong", rng=rng)
+        t["logprobs"] = [-0.5, -0.25]
+        t["completion_token_ids"] = t["completion_token_ids"][:2]
+        line = json.dumps(t)
+        old = f'"{key}": ' + json.dumps(t[key])
+        assert old in line
+        lines.append(line.replace(old, f'"{key}": {bad}'))
+    (tmp_path / "tapes.jsonl").write_text("\n".join(lines) + "\n")
+    index = TapeIndex(tmp_path)
+    (f,) = index.summary()["files"]
+    assert (f["tapes"], f["bad_lines"]) == (1, 3)
+    assert "reward is not a finite number" in f["first_bad"]
+    assert all_listed_ids(index) == [ok["id"]]
     index.close()
 
 

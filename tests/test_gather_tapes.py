@@ -237,16 +237,21 @@ def test_run_directory_files_without_tapes_are_ignored_quietly(tmp_path, capsys)
     assert "warning" not in capsys.readouterr().err
 
 
-def test_output_inside_a_source_directory_is_not_read_back(tmp_path):
+def test_output_inside_a_source_or_on_a_source_is_refused(tmp_path):
+    # Issue 13: an output inside a source directory could replace a tapes file found there.
     src = tmp_path / "src"
     write(src / "tapes.jsonl", jsonl([our_tape("a"), our_tape("b")]))
-    out = src / "all.jsonl"
+    before = (src / "tapes.jsonl").read_bytes()
 
-    first = gather_tapes([str(src)], str(out), quiet=True)
-    second = gather_tapes([str(src)], str(out), quiet=True)
+    with pytest.raises(UserError, match="inside the source directory"):
+        gather_tapes([str(src)], str(src / "all.jsonl"), quiet=True)
+    with pytest.raises(UserError, match="is the input file"):
+        gather_tapes([str(src / "tapes.jsonl")], str(src / "tapes.jsonl"), quiet=True)
 
-    assert first["written"] == second["written"] == 2
-    assert second["duplicates"] == 0
+    assert sorted(p.name for p in src.iterdir()) == ["tapes.jsonl"]
+    assert (src / "tapes.jsonl").read_bytes() == before
+    out = tmp_path / "all.jsonl"
+    assert gather_tapes([str(src)], str(out), quiet=True)["written"] == 2
     assert [t["id"] for t in read_jsonl(out)] == ["a", "b"]
 
 

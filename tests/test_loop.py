@@ -2,6 +2,7 @@
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from conftest import REPO, run_cli
 from gsm8kctl.jsonl import read_jsonl
 from gsm8kctl.llm_calls import open_readonly
+from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
 from gsm8kctl.stages.loop import next_problems
 
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
@@ -147,3 +149,110 @@ def test_bad_loop_config_is_refused_before_any_work(tmp_path):
     proc = run_cli("loop", "--run-dir", str(tmp_path / "run"), "attempts=8", "max_agent_forks=4")
     assert proc.returncode == 2 and "max_agent_forks >= attempts" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Process lifecycle across a crash: the restart signals only its own stage; a dead loop leaves nothing
+
+
+def _restart_finished_run(model: str, run_dir: Path, child_pgid: int, child_token: str | None):
+    """A run whose state.json names a stage group, restarted: it only checks for a left stage."""
+    run_dir.mkdir(parents=True)
+    state = {"iteration": 2, "phase": "done", "cursor": 4, "problems": None, "child_pgid": child_pgid,
+             "child_token": child_token, "timings": {}, "best": None}
+    (run_dir / "state.json").write_text(json.dumps(state))
+    return subprocess.run(_cmd(model, run_dir), cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _proc_start(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of a process, None once it is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[19])
+
+
+def _running(pid: int) -> bool:
+    st = _proc_start(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+@pytest.mark.parametrize("token", [None, "f" * 32], ids=["no-token", "other-token"])
+def test_restart_never_signals_a_group_that_is_not_its_stage(tiny_model_dir, tmp_path, token):
+    """After a reboot or a pid wrap the saved group number can belong to anything."""
+    pid = int(subprocess.run(["bash", "-c", "setsid sleep 1000 >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout)
+    try:
+        deadline = time.time() + 10
+        while os.getpgid(pid) != pid and time.time() < deadline:  # setsid runs after `echo $!`
+            time.sleep(0.05)
+        assert os.getpgid(pid) == pid
+        proc = _restart_finished_run(tiny_model_dir, tmp_path / "run", pid, token)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "stopping a stage" not in proc.stderr
+        assert _running(pid), "the restart killed an unrelated process group"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_restart_stops_the_stage_the_dead_loop_left(tiny_model_dir, tmp_path):
+    token = secrets.token_hex(16)
+    left = subprocess.Popen(["sleep", "1000"], start_new_session=True, env={**os.environ, STAGE_TOKEN_ENV: token})
+    try:
+        proc = _restart_finished_run(tiny_model_dir, tmp_path / "run", left.pid, token)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"stopping a stage left running by the previous loop (process group {left.pid})" in proc.stderr
+        assert left.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        left.kill()
+        left.wait()
+
+
+@pytest.mark.vllm
+def test_sigkill_during_a_vllm_phase_leaves_no_process(smollm2_dir, tmp_path):
+    """kill -9 of the loop while its evaluate stage runs a vLLM engine: within 10 s nothing of the
+    stage is left (its supervisor, the stage, vLLM's engine core and workers)."""
+    import vllm  # noqa: F401 - make install puts it there; missing must fail, not skip
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gsm8kctl", "loop", "--model", smollm2_dir, "--run-dir", str(run_dir),
+           "--iterations", "1", "--backend", "vllm", "eval_limit=2", "evaluation.max_tokens=8",
+           "warmup_sft_steps=0"]
+    with open(tmp_path / "loop.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def engine_started() -> bool:
+        pgid = _state(run_dir).get("child_pgid")
+        return bool(pgid) and any(b"VLLM::" in Path(f"/proc/{p}/cmdline").read_bytes()
+                                  for p in live_descendants(pgid) if _running(p))
+
+    try:
+        _wait_for(engine_started, proc, timeout=600)
+    except AssertionError:
+        proc.kill()
+        raise AssertionError((tmp_path / "loop.log").read_text()[-3000:]) from None
+    time.sleep(2)  # let the engine start its workers
+    st = _state(run_dir)
+    pgid, token = st["child_pgid"], st["child_token"]
+    tree = {p: _proc_start(p) for p in [pgid, *live_descendants(pgid)]}
+    assert len(tree) >= 3, tree  # supervisor, stage, engine core (and workers)
+    assert pgid in token_processes(token)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def left() -> list[int]:
+        same = [p for p, start in tree.items() if _running(p) and _proc_start(p)[1] == start[1]]
+        return sorted(set(same) | set(token_processes(token)) | set(live_members(pgid)))
+
+    deadline = time.time() + 10
+    while left() and time.time() < deadline:
+        time.sleep(0.1)
+    survivors = left()
+    for p in survivors:  # do not leave 4 GB behind for the next test
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not survivors, f"processes of the stage outlived the loop by 10 s: {survivors}"

@@ -27,7 +27,8 @@ from gsm8kctl.backends.openai import OpenAIBackend, parse_base_urls
 from gsm8kctl.chat import render_prompt
 from gsm8kctl.config import default_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.serve import ServerProcess, VLLMServer, free_port, group_alive
+from gsm8kctl.procs import free_port, group_alive
+from gsm8kctl.serve import ServerProcess, VLLMServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,7 +106,8 @@ def test_server_dies_with_its_parent(dummy):
     """SIGKILL the process that started the server: the supervisor takes the group down."""
     script = textwrap.dedent(f"""
         import sys, time
-        from gsm8kctl.serve import ServerProcess, free_port
+        from gsm8kctl.procs import free_port
+        from gsm8kctl.serve import ServerProcess
         port = free_port()
         srv = ServerProcess([sys.executable, {str(dummy)!r}, str(port), "1"], port=port, grace_s=1)
         srv.start().wait_ready()
@@ -228,8 +230,12 @@ def test_generate_token_exact(servers, prompts, smollm2_dir):
     greedy = b.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=300))[0][0]
     assert greedy.finish_reason == "stop" and greedy.token_ids[-1] in b.stop_ids
     assert "<|im_end|>" not in greedy.text
-    again = b.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=5))
-    assert [[c.token_ids for c in x] for x in again] == [[c.token_ids for c in x] for x in out]
+    # Same seed, one request alone in the engine: same tokens. Concurrent requests are batched as
+    # they arrive, so a seeded batch is not bit-identical across calls (docs/architecture.md,
+    # "Reproducibility").
+    alone = SamplingParams(n=1, temperature=1.0, max_tokens=40, seed=5)
+    first = b.generate(prompts[:1], alone)[0][0]
+    assert b.generate(prompts[:1], alone)[0][0].token_ids == first.token_ids
 
     # score(): prompt_logprobs, and the echo fallback, agree with the sampler's log-probs.
     ps = [p for p, comps in zip(prompts, out) for _ in comps]

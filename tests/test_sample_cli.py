@@ -118,7 +118,7 @@ def test_evaluate_writes_metrics(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["stats", "/nonexistent/tapes.jsonl"], "/nonexistent/tapes.jsonl: no such file"),
     (["sample", "-o", "{tmp}/t.jsonl", "--model", "/nonexistent/model"], "unknown model"),
-    (["sample", "-o", "{tmp}/t.jsonl", "--backend", "tensorrt"], "unknown backend 'tensorrt'"),
+    (["sample", "-o", "{tmp}/t.jsonl", "--backend", "tensorrt"], "backend must be one of auto, transformers, vllm, openai, got 'tensorrt'"),
     (["sample", "-o", "{tmp}/t.jsonl", "finetune.learnig_rate=1"], "did you mean finetune.learning_rate"),
     (["sample", "-o", "{tmp}/t.jsonl", "--problem-ids", "train-99999"], "unknown problem id"),
     (["sample", "-o", "{tmp}/t.jsonl", "--n-problems", "0"], "--n-problems must be positive"),

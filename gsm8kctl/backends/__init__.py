@@ -25,7 +25,10 @@ def _vllm_available() -> bool:
 
 def get_backend(name: str, model: str, cfg: dict | None = None, **kwargs) -> Backend:
     """Create the backend `name` (after `auto` resolution) for a resolved model path or URL list."""
-    cfg = cfg or {}
+    if not cfg:
+        from gsm8kctl.config import default_config
+
+        cfg = default_config()
     name = resolve_backend_name(name)
     if name == "transformers":
         from gsm8kctl.backends.transformers import TransformersBackend

@@ -6,6 +6,7 @@ what the sampler saw is exactly what the trainer trains on: no re-tokenisation a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -26,11 +27,27 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
+    # One seed per completion, prompt-major (len(prompts) * n); overrides `seed`. The sample
+    # stage derives them from tape ids, so an attempt redone after a crash draws the same tokens.
+    seeds: list[int] | None = None
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
                 "max_tokens": self.max_tokens, "seed": self.seed, **self.extra}
+
+
+def completion_seeds(params: SamplingParams, count: int) -> list[int]:
+    """The seed of each of `count` completions: `params.seeds`, else derived from `params.seed`
+    (distinct per completion), else fresh randomness."""
+    from gsm8kctl.backends.sampling import completion_seed
+
+    if params.seeds is not None:
+        if len(params.seeds) != count:
+            raise ValueError(f"{len(params.seeds)} seeds for {count} completions")
+        return list(params.seeds)
+    base = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+    return [completion_seed(base, k) for k in range(count)]
 
 
 class Backend(Protocol):

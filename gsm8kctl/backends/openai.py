@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from gsm8kctl.backends.base import Completion, SamplingParams
-from gsm8kctl.backends.vllm import PASSTHROUGH_EXTRA, request_seed
+from gsm8kctl.backends.vllm import PASSTHROUGH_EXTRA, seed_of_request
 from gsm8kctl.errors import UserError
 from gsm8kctl.models import load_tokenizer, stop_token_ids
 
@@ -209,7 +209,7 @@ class OpenAIBackend:
                     "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
                     "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True,
                     "stop_token_ids": self.stop_ids, "skip_special_tokens": True, **extra}
-            seed = request_seed(params.seed, i)
+            seed = seed_of_request(params, i)
             if seed is not None:
                 body["seed"] = seed
             t0 = time.perf_counter()

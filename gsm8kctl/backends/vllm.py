@@ -122,6 +122,15 @@ def engine_env(cfg: dict | None = None):
                 os.environ[k] = v
 
 
+def seed_of_request(params, index: int) -> int | None:
+    """The seed of prompt `index` of a call: its completion's own seed when the caller gave one
+    per completion (`params.seeds`; vLLM seeds the n samples of a request seed, seed+1, ...),
+    else one derived from the call's seed."""
+    if params.seeds is not None:
+        return params.seeds[index * params.n]
+    return request_seed(params.seed, index)
+
+
 def request_seed(seed: int | None, index: int) -> int | None:
     """Seed of the `index`-th prompt of a call: distinct per prompt, reproducible from `seed`.
 
@@ -283,7 +292,7 @@ class VLLMBackend:
         for p in prompts:
             if len(p) >= self.max_model_len:
                 raise UserError(f"prompt of {len(p)} tokens does not fit the model context ({self.max_model_len})")
-        sps = [self._sampling_params(params, request_seed(params.seed, i)) for i in range(len(prompts))]
+        sps = [self._sampling_params(params, seed_of_request(params, i)) for i in range(len(prompts))]
         t0 = time.perf_counter()
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps,
                                     use_tqdm=False)

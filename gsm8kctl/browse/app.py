@@ -12,13 +12,15 @@ Routes (all GET):
 
 Safety: Jinja2 autoescape is on for every template and the Content-Security-Policy allows no
 inline script, so model text cannot run; only the tapes files found under PATH are ever read (by
-byte offset from the index, never by a path taken from the URL); SQL is parameterized; the Host
-header is checked so a DNS-rebinding page cannot read a local server.
+byte offset from the index, never by a path taken from the URL; real paths, so a symlink out of
+PATH is not followed); SQL is parameterized; on a loopback address the Host header is checked so
+a DNS-rebinding page cannot read a local server.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import ipaddress
 import json
 import math
 import sys
@@ -32,9 +34,8 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders, QueryParams
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -49,7 +50,7 @@ HERE = Path(__file__).parent
 DEFAULT_PER_PAGE = 50
 MAX_PER_PAGE = 500
 MAX_PARAM_CHARS = 300
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _MAIN_STEP_KINDS = ("question", "reasoning", "answer")
 
 CSP = ("default-src 'none'; style-src 'self'; script-src 'self'; img-src 'self' data:; "
@@ -62,7 +63,8 @@ def create_app(path: str | Path, llm_calls: str | Path | None = None, *, tokeniz
 
     `llm_calls` names the call log; by default the nearest `llm_calls.sqlite` up to the run
     directory is used. `tokenizer` forces the tokenizer used for logprob shading.
-    `allowed_hosts` are the Host header values served (None or ["*"]: any).
+    `allowed_hosts` are the Host header values served (None or ["*"]: any); when one of them is a
+    loopback name, every loopback name is (`is_loopback`).
     """
     root = Path(path)
     if not root.exists():
@@ -93,7 +95,7 @@ def create_app(path: str | Path, llm_calls: str | Path | None = None, *, tokeniz
     ]
     middleware = [Middleware(_SecurityHeaders)]
     if allowed_hosts and "*" not in allowed_hosts:
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
+        middleware.append(Middleware(_HostCheck, allowed=allowed_hosts))
     app = Starlette(
         routes=routes,
         middleware=middleware,
@@ -232,6 +234,50 @@ class _ListContext:
     def qs(self, **extra) -> str:
         """Query string of the list context (no page), for links that keep it."""
         return urlencode(self.params(**extra))
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address (127.0.0.0/8, ::1; IPv6 in brackets or not)."""
+    name = host.strip().lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(header: str) -> str:
+    """The name of a Host header without its port: `[::1]:7680` -> `::1`, `a.b:80` -> `a.b`."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[1:end] if end > 0 else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+class _HostCheck:
+    """Answers 400 to a Host header not allowed: a DNS-rebinding page names its own domain.
+
+    A server on loopback answers to every loopback name (127.0.0.2 is as local as 127.0.0.1, and
+    starlette's TrustedHostMiddleware cannot parse `[::1]:port`); a rebinding domain is not one.
+    """
+
+    def __init__(self, app, allowed):
+        self.app = app
+        self.allowed = {_host_name(h) for h in allowed}
+        self.loopback = any(is_loopback(h) for h in self.allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
+        name = _host_name(header)
+        if name and (name in self.allowed or (self.loopback and is_loopback(name))):
+            await self.app(scope, receive, send)
+            return
+        await PlainTextResponse("Invalid host header", status_code=400)(scope, receive, send)
 
 
 class _SecurityHeaders:

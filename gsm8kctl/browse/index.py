@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import MAYBE_NONFINITE, loads_strict
 from gsm8kctl.tapes import TAPES_FILE, outcome
 
 OUTCOMES = ("correct", "wrong", "unparsable", "overflow")
@@ -54,6 +56,7 @@ _HEAD_CUTS = (b',"prompt_token_ids":', b', "prompt_token_ids": ')
 _COMPLETION_KEY = b'"completion_token_ids":'
 _HEAD_NEEDS = ("id", "steps", "finish_reason")
 _ITER_DIR_RE = re.compile(r"^\d+$")
+_NONFINITE_HINT = re.compile(MAYBE_NONFINITE.pattern.encode())
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,18 @@ class _File:
     hint: dict = field(default_factory=dict)
 
 
+def is_inside(path: Path, root: Path) -> bool:
+    """True if `path`, symlinks resolved, is `root` or under it: a link out of PATH is not served."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
 def discover_tape_files(root: Path) -> list[Path]:
-    """The tapes files under a run directory (or the file itself), in a stable order."""
+    """The tapes files under a run directory (or the file itself), in a stable order.
+
+    Only files whose real path is inside the directory's real path: a symlink pointing out of it
+    (to another user's run, to /etc) is skipped, as are symlinked directories (os.walk).
+    """
     if root.is_file():
         return [root]
     found = []
@@ -98,7 +111,8 @@ def discover_tape_files(root: Path) -> list[Path]:
             if name.startswith("."):
                 continue
             if name == TAPES_FILE or name.endswith(".tapes.jsonl") or name.endswith("_tapes.jsonl"):
-                found.append(Path(dirpath) / name)
+                if is_inside(Path(dirpath) / name, root):
+                    found.append(Path(dirpath) / name)
 
     def order(p: Path) -> tuple:
         # Iteration by iteration, training tapes before that iteration's evaluation.
@@ -296,6 +310,8 @@ class TapeIndex:
     def _index_file(self, idx: int, f: _File) -> None:
         rows: list[tuple] = []
         texts: list[str] = []
+        if not is_inside(f.path, self.root):
+            return  # replaced by a symlink out of PATH since it was found
         try:
             fh = open(f.path, "rb")
         except OSError:
@@ -309,16 +325,19 @@ class TapeIndex:
                 start, offset = offset, offset + len(line)
                 if not line.strip():
                     continue
-                parsed = _parse_head(line)
+                # A line that may hold NaN/Infinity is parsed whole, so that it is refused wherever
+                # the value is (the head parse would not see a NaN among the logprobs).
+                parsed = None if _NONFINITE_HINT.search(line) else _parse_head(line)
                 if parsed is not None:
                     tape, n_tokens = parsed
                 else:
                     try:
-                        tape = json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                        tape = loads_strict(line, f"line at byte {start}")
+                    except (json.JSONDecodeError, UnicodeDecodeError, UserError) as exc:
                         f.bad_lines += 1
                         if not f.first_bad:
-                            f.first_bad = f"line at byte {start}: {getattr(exc, 'msg', None) or exc}"
+                            f.first_bad = (str(exc) if isinstance(exc, UserError) else
+                                           f"line at byte {start}: {getattr(exc, 'msg', None) or exc}")
                         continue
                     if not isinstance(tape, dict):
                         f.not_tapes += 1
@@ -453,12 +472,14 @@ class TapeIndex:
     def load(self, row: dict) -> dict | None:
         """The whole tape, read from its file by offset (None if the file changed under us)."""
         f = self.files[row["file"]]
+        if not is_inside(f.path, self.root):
+            return None
         try:
             with open(f.path, "rb") as fh:
                 fh.seek(row["offset"])
                 data = fh.read(row["length"])
-            tape = json.loads(data)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            tape = loads_strict(data, f.rel)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, UserError):
             return None
         if not isinstance(tape, dict) or str(tape.get("id")) != row["id"]:
             return None

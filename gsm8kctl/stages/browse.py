@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -11,20 +10,12 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from gsm8kctl.browse.app import is_loopback  # noqa: F401 (re-export: the stage decides with it)
 from gsm8kctl.errors import UserError
 from gsm8kctl.progress import console
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7680
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -58,6 +49,8 @@ def browse(path: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, llm_ca
         raise UserError(f"{path}: no such file or directory")
     if not (0 <= port <= 65535):
         raise UserError(f"--port {port}: expected 0..65535")
+    # Host and port first: a busy port or a bad host is refused before minutes of indexing.
+    sock = _bind(host, port)
     loopback = is_loopback(host)
     if not loopback:
         console.print(f"[yellow]warning:[/] serving on {escape(host)}: anyone who can reach this machine "
@@ -66,11 +59,15 @@ def browse(path: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, llm_ca
     start = time.perf_counter()
     if not quiet:
         console.print(f"indexing {escape(str(path))} ...", highlight=False)
-    # Host-header check against DNS rebinding on loopback; on other hosts the user chose to share.
-    allowed = list(LOOPBACK_HOSTS) if host in LOOPBACK_HOSTS else None
-    app = create_app(path, llm_calls, tokenizer=tokenizer, allowed_hosts=allowed)
+    # Host-header check against DNS rebinding on loopback (any loopback address: 127.0.0.2 too);
+    # on other hosts the user chose to share.
+    allowed = [*LOOPBACK_HOSTS, host] if loopback else None
+    try:
+        app = create_app(path, llm_calls, tokenizer=tokenizer, allowed_hosts=allowed)
+    except BaseException:
+        sock.close()
+        raise
     state = app.state.browser
-    sock = _bind(host, port)
     real_port = sock.getsockname()[1]
     shown_host = f"[{host.strip('[]')}]" if ":" in host else host
     url = f"http://{shown_host}:{real_port}/"

@@ -10,9 +10,11 @@ from pathlib import Path
 from gsm8kctl.backends import Backend, SamplingParams
 from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.data import load_problems, select_problems
+from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl
+from gsm8kctl.paths import check_output_dir
 from gsm8kctl.progress import say
-from gsm8kctl.stages.sample import open_backend, run_attempts
+from gsm8kctl.stages.sample import check_calls_db, existing_output, open_backend, run_attempts
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
 
@@ -20,12 +22,18 @@ from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
 def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = "test",
              calls_db: str | None = None, iteration: int = 0, backend: Backend | None = None,
              model_label: str | None = None, quiet: bool = False) -> dict:
+    # Every check before the model loads and before anything is written: a refused run writes nothing.
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        from gsm8kctl.errors import UserError
-
-        raise UserError(f"{out}: exists and is not a directory (evaluate writes OUT/tapes.jsonl)")
+    tapes_path = out / TAPES_FILE
+    check_output_dir(out, option="-o", files=(TAPES_FILE, METRICS_FILE, CONFIG_FILE), data_dir=cfg["data_dir"])
+    calls_db = calls_db or str(out / LLM_CALLS_FILE)
+    check_calls_db(calls_db, str(tapes_path), cfg["data_dir"])
+    existing = existing_output(str(tapes_path))
+    if limit is not None and limit <= 0:
+        raise UserError(f"--limit must be a positive number of problems, got {limit}")
     problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=limit)
+    if cfg["agent"]["few_shot"] > 0:
+        load_problems("train", cfg["data_dir"])  # the few-shot pool: checked now, cached for later
     params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=cfg["evaluation"]["max_tokens"],
                             seed=cfg["seed"])
     own = backend is None
@@ -36,11 +44,10 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / CONFIG_FILE)
     label = model_label or cfg["model"]
-    tapes_path = out / TAPES_FILE
     try:
         run = run_attempts(cfg, backend=backend, problems=problems, attempts=1, params=params,
-                           out=str(tapes_path), calls_db=calls_db or str(out / LLM_CALLS_FILE),
-                           iteration=iteration, model_label=label, quiet=quiet, description="evaluating")
+                           out=str(tapes_path), calls_db=calls_db, iteration=iteration, model_label=label,
+                           quiet=quiet, description="evaluating", existing=existing)
     finally:
         if own:
             backend.close()

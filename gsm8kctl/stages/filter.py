@@ -24,10 +24,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from gsm8kctl import losses
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import write_jsonl
+from gsm8kctl.paths import check_output_file
 from gsm8kctl.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
+from gsm8kctl.tapes import check_tape
 
 MODES = ("rejection", "all")
 
@@ -79,39 +80,11 @@ class FilterReport:
 # Reading tapes
 
 
-def _check_tape(t: dict, where: str) -> dict:
-    """The tape keys filter needs, checked; errors name `file:line`."""
-    if is_sample(t):
-        raise UserError(f"{where}: this is a training sample (filter output), not a tape")
-    missing = [k for k in ("id", "problem_id", "prompt_token_ids", "completion_token_ids", "reward")
-               if k not in t]
-    if missing:
-        raise UserError(f"{where}: not a tape (missing {', '.join(missing)})")
-    for key in ("prompt_token_ids", "completion_token_ids"):
-        ids = t[key]
-        if not isinstance(ids, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
-            raise UserError(f"{where}: {key} must be a list of token ids")
-    if not t["prompt_token_ids"]:
-        raise UserError(f"{where}: tape {t['id']} has an empty prompt")
-    r = t["reward"]
-    if isinstance(r, bool) or not isinstance(r, (int, float)):
-        raise UserError(f"{where}: tape {t['id']} has no numeric reward ({r!r})")
-    lp = t.get("logprobs")
-    if lp is not None and (not isinstance(lp, list) or len(lp) != len(t["completion_token_ids"])):
-        raise UserError(f"{where}: tape {t['id']}: logprobs must hold one number per completion token")
-    it = t.get("iteration", 0)
-    if it is None:
-        it = 0
-    if not isinstance(it, int) or isinstance(it, bool):
-        raise UserError(f"{where}: tape {t['id']}: iteration must be an integer")
-    return t
-
-
 def read_tapes(paths: Iterable[str]) -> Iterable[tuple[str, dict]]:
     """(`file:line`, tape) for every tape of the given files (`-` = stdin), checked."""
     for path in paths:
         for where, record in iter_jsonl_lines(path):
-            yield where, _check_tape(record, where)
+            yield where, check_tape(record, where, tokens=True)
 
 
 def _slim(t: dict) -> dict:
@@ -201,6 +174,8 @@ def filter_tapes(
     ref_backend = ref_backend or fcfg["ref_backend"]
     kl_coef = float(rl["implicit_kl_coef"])
     estimator = rl["implicit_kl_estimator"]
+    from gsm8kctl import losses  # imports torch (~4 s): not before the cheap checks of run_filter
+
     if estimator not in losses.KL_ESTIMATORS:
         raise UserError(f"finetune.rl.implicit_kl_estimator must be k1 or k3, got '{estimator}'")
     if kl_coef and scorer is None and not ref_model:
@@ -211,7 +186,7 @@ def filter_tapes(
     rows: list[dict] = []
     seen_ids: set[str] = set()
     for item in tapes:
-        where, t = item if isinstance(item, tuple) else ("<tapes>", _check_tape(item, "<tapes>"))
+        where, t = item if isinstance(item, tuple) else ("<tapes>", check_tape(item, "<tapes>", tokens=True))
         report.tapes += 1
         if t["id"] in seen_ids:
             report.dropped["duplicate tape id"] += 1
@@ -333,16 +308,17 @@ def gold_samples(cfg: dict, *, split: str = "train", model: str | None = None,
     from gsm8kctl.stages.sample import prompt_for
 
     model = model or cfg["model"]
+    if n_problems is not None and n_problems < 1:
+        raise UserError("--n-problems must be positive")
+    # The data first: a bad data file is refused before a tokenizer (or model) is loaded.
+    problems = load_problems(split, data_dir or cfg["data_dir"])
+    if n_problems is not None:
+        problems = problems[:n_problems]
+    train = load_problems("train", data_dir or cfg["data_dir"]) if cfg["agent"]["few_shot"] > 0 else []
     if tokenizer is None:
         from gsm8kctl.models import load_tokenizer, resolve_model
 
         tokenizer = load_tokenizer(resolve_model(model))
-    if n_problems is not None and n_problems < 1:
-        raise UserError("--n-problems must be positive")
-    problems = load_problems(split, data_dir or cfg.get("data_dir"))
-    if n_problems is not None:
-        problems = problems[:n_problems]
-    train = load_problems("train", data_dir or cfg.get("data_dir")) if cfg["agent"]["few_shot"] > 0 else []
     report = FilterReport(mode="gold")
     samples = []
     for p in problems:
@@ -385,6 +361,12 @@ def run_filter(
 
     Rerunning with the same arguments rewrites the same file: nothing is ever appended twice.
     """
+    # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
+    check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
+    if ref_model or cfg["filter"]["ref_model"]:
+        from gsm8kctl.models import resolve_model
+
+        resolve_model(ref_model or cfg["filter"]["ref_model"])  # an unknown model: refused before any reading
     if gold:
         if inputs:
             raise UserError("--gold makes samples from GSM8k solutions; it takes no tapes")

@@ -48,7 +48,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -60,6 +59,8 @@ from typing import Sequence
 from gsm8kctl.config import save_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import JsonlAppender, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
+from gsm8kctl.paths import check_output_dir, is_inside, same_file
+from gsm8kctl.procs import free_port
 from gsm8kctl.samples import read_samples, samples_stats, stats_table
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -218,8 +219,7 @@ def run_finetune(
     ft = cfg["finetune"]
     _check_finetune_config(ft)
     out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir}: --out must be a directory")
+    _check_out(out_dir, samples_paths, cfg)
 
     start, resume, note = _resolve_start(out_dir, init, cfg)
     samples = _load_and_check(samples_paths, start, cfg, objective)
@@ -233,6 +233,20 @@ def run_finetune(
                        metrics_path=metrics_path, quiet=quiet)
     return train(samples, out_dir, cfg, start=start, resume=resume, metrics_path=metrics_path,
                  quiet=quiet, source=[str(p) for p in samples_paths], stop_after=stop_after)
+
+
+def _check_out(out_dir: Path, samples_paths: Sequence[str], cfg: dict) -> None:
+    """--out is a writable run directory that is not an input, and holds no input where it rewrites."""
+    for src in samples_paths:
+        if src != "-" and same_file(out_dir, src):
+            raise UserError(f"{out_dir}: --out is the input samples file {src}; --out takes a run directory")
+    check_output_dir(out_dir, option="--out", data_dir=cfg.get("data_dir"))
+    for src in samples_paths:
+        # Checkpoints are pruned and finetune/ files rewritten: an input kept there would be lost.
+        for sub in (CHECKPOINTS_DIR, FINETUNE_DIR):
+            if src != "-" and is_inside(src, out_dir / sub):
+                raise UserError(f"{src}: an input inside {out_dir / sub}, which finetune rewrites and prunes; "
+                                "move it out of the run directory's checkpoints/ and finetune/")
 
 
 def _check_finetune_config(ft: dict) -> None:
@@ -270,18 +284,28 @@ def _resolve_start(out_dir: Path, init: str | None, cfg: dict) -> tuple[str, boo
     return path, False, f"starting from the base model {cfg['model']} ({path}), step 0"
 
 
-def _load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) -> list[dict]:
-    from transformers import AutoConfig
+def _vocab_size(start: str) -> int | None:
+    """The model's vocabulary size, from its config.json when it has one: importing transformers
+    (and torch) takes seconds, and bad samples should be refused before that."""
+    try:
+        return int(json.loads((Path(start) / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        from transformers import AutoConfig
 
+        return int(AutoConfig.from_pretrained(start).vocab_size)
+    except Exception:  # a hub id we cannot read offline: the model load will say more
+        return None
+
+
+def _load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) -> list[dict]:
     ft = cfg["finetune"]
     if Path(start).is_dir() and not any((Path(start) / f).exists()
                                         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise UserError(f"{start}: no tokenizer files; checkpoints must carry their tokenizer "
                         "(save it next to the weights, or start from a complete model directory)")
-    try:
-        vocab = int(AutoConfig.from_pretrained(start).vocab_size)
-    except Exception:  # a hub id we cannot read offline: the model load will say more
-        vocab = None
+    vocab = _vocab_size(start)
     samples = read_samples(paths, seq_length=ft["seq_length"], vocab_size=vocab)
     if objective == "grpo":
         n = sum(s.get("old_logprobs") is None for s in samples)
@@ -305,12 +329,6 @@ def _say(msg: str) -> None:
 # Multi-process: relaunch this module under `accelerate launch`
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: bool,
             metrics_path: str | None, quiet: bool) -> dict:
     import torch
@@ -332,7 +350,7 @@ def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: boo
     # --multi_gpu selects accelerate's torchrun launcher; without CUDA it runs MULTI_CPU (gloo).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", mp,
-           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            "-m", "gsm8kctl.stages.finetune", str(fdir / LAUNCH_FILE)]
     env = dict(os.environ)
     if not torch.cuda.is_available():

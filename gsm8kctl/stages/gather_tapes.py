@@ -33,6 +33,7 @@ from rich.markup import escape
 
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import write_jsonl
+from gsm8kctl.paths import check_output_file, is_inside
 from gsm8kctl.progress import console
 from gsm8kctl.tapes import TAPE_KEYS
 
@@ -77,6 +78,7 @@ def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
     for s in sources:
         if s != "-" and not Path(s).exists():
             raise UserError(f"{s}: no such file or directory")
+    _check_out(out, sources)
     out_resolved = None if out == "-" else Path(out).resolve()
 
     def warn(message: str) -> None:
@@ -154,6 +156,17 @@ def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
     if not quiet:
         _report(result)
     return result
+
+
+def _check_out(out: str, sources: list[str]) -> None:
+    """-o must not replace a source: not one of the files, not a file inside a source directory
+    (a TapeAgents tapes.json there would be overwritten by its converted copy)."""
+    check_output_file(out, option="-o", inputs=[s for s in sources if s != "-" and Path(s).is_file()])
+    if out == "-":
+        return
+    for s in sources:
+        if s != "-" and Path(s).is_dir() and is_inside(out, s):
+            raise UserError(f"{out}: -o is inside the source directory {s}; write it outside the sources")
 
 
 def _chain(first: dict, rest: Iterator[dict]) -> Iterator[dict]:

@@ -22,7 +22,9 @@ from pathlib import Path
 from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl, write_jsonl
-from gsm8kctl.procs import group_alive, kill_group, run_stage
+from gsm8kctl.llm_calls import check_log
+from gsm8kctl.paths import check_output_dir
+from gsm8kctl.procs import StageRecord, run_stage
 from gsm8kctl.progress import console, say
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
@@ -69,9 +71,44 @@ def load_state(run_dir: Path) -> dict:
         return {"iteration": 0, "phase": "warmup", "cursor": 0, "problems": None, "child_pgid": None,
                 "timings": {}, "best": None}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path}: not valid JSON (it is written atomically; was it edited by hand?)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    return _check_state(state, path)
+
+
+def _check_state(state, path: Path) -> dict:
+    """The keys the loop resumes from, typed; a hand-edited or foreign file is named with its key."""
+    from gsm8kctl.tapes import shown
+
+    def bad(key: str, what: str):
+        return UserError(f"{path}: '{key}' must be {what}, got {shown(state.get(key))} "
+                         "(not a state file of this loop's; restore it or use a fresh --run-dir)")
+
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: expected a JSON object (the loop's state), got {type(state).__name__}")
+    for key in ("iteration", "cursor"):
+        v = state.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise bad(key, "an integer >= 0")
+    phases = ("warmup", *PHASES, "done")
+    if state.get("phase") not in phases:
+        raise bad("phase", f"one of {', '.join(phases)}")
+    problems = state.get("problems")
+    if problems is not None and not (isinstance(problems, list) and all(isinstance(p, str) for p in problems)):
+        raise bad("problems", "null or a list of problem ids")
+    if not isinstance(state.setdefault("timings", {}), dict):
+        raise bad("timings", "an object")
+    best = state.setdefault("best", None)
+    if best is not None and not (isinstance(best, dict) and isinstance(best.get("accuracy_strict"), (int, float))):
+        raise bad("best", "null or an object with accuracy_strict")
+    pgid = state.setdefault("child_pgid", None)
+    if pgid is not None and (not isinstance(pgid, int) or isinstance(pgid, bool)):
+        raise bad("child_pgid", "null or a process group id")
+    state.setdefault("problems", None)
+    return state
 
 
 def save_state(run_dir: Path, state: dict) -> None:
@@ -102,6 +139,10 @@ def next_problems(cursor: int, k: int, n_train: int, seed: int) -> list[str]:
 
 def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
     run = Path(run_dir)
+    # Every check before the run directory is created or anything in it is written.
+    check_output_dir(run, option="--run-dir", files=(CONFIG_FILE, STATE_FILE, RUN_METRICS_FILE),
+                     data_dir=cfg["data_dir"])
+    check_log(run / LLM_CALLS_FILE)
     if cfg["attempts"] < 1 or cfg["max_agent_forks"] < cfg["attempts"]:
         raise UserError("need attempts >= 1 and max_agent_forks >= attempts "
                         f"(got attempts={cfg['attempts']}, max_agent_forks={cfg['max_agent_forks']})")
@@ -112,13 +153,17 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
 
     n_train = len(load_problems("train", cfg["data_dir"]))  # checks the data before any work
     base_model = resolve_model(cfg["model"])
+    load_state(run)  # checked now; read again under the lock
     run.mkdir(parents=True, exist_ok=True)
     with RunLock(run):
         save_config(cfg, run / CONFIG_FILE)
         state = load_state(run)
-        if state.get("child_pgid") and group_alive(state["child_pgid"]):
-            say(f"stopping a stage left running by the previous loop (process group {state['child_pgid']})", quiet)
-            kill_group(state["child_pgid"])
+        # Only a group that still carries the saved token is our stage: after a reboot or a pid wrap
+        # the saved number can belong to anything (gsm8kctl/procs.py).
+        left = StageRecord.from_state(state)
+        if left is not None and left.processes():
+            say(f"stopping a stage left running by the previous loop (process group {left.pgid})", quiet)
+            left.stop()
         ctx = _Context(cfg, run, state, base_model, n_train, quiet)
         ctx.run()
         return state
@@ -162,7 +207,7 @@ class _Context:
                     st["phase"] = PHASES[nxt]
                 else:
                     st.update(iteration=it + 1, phase="evaluate", problems=None)
-                st["child_pgid"] = None
+                st.update(StageRecord.cleared())
                 save_state(self.run_dir, st)
         st["phase"] = "done"
         save_state(self.run_dir, st)
@@ -188,8 +233,8 @@ class _Context:
     def _stage(self, *args: str) -> None:
         """Run one stage command on the run's resolved config; a failure stops the loop."""
 
-        def remember(pid: int) -> None:
-            self.state["child_pgid"] = pid  # a child is its own group leader (start_new_session)
+        def remember(stage: StageRecord) -> None:
+            self.state.update(stage.to_state())  # the supervisor's group, and the token that proves it
             save_state(self.run_dir, self.state)
 
         # vLLM's start-up warnings (no Triton, eager mode...) would bury the loop's own lines.

@@ -10,27 +10,57 @@ from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from gsm8kctl import agent, llm_calls
-from gsm8kctl.backends import Backend, SamplingParams, get_backend, resolve_backend_name
+from gsm8kctl.backends import Backend, Completion, SamplingParams, get_backend, resolve_backend_name
+from gsm8kctl.backends.sampling import completion_seed
 from gsm8kctl.chat import render_prompt
 from gsm8kctl.config import save_config
 from gsm8kctl.data import load_problems, select_problems
-from gsm8kctl.jsonl import JsonlAppender, read_jsonl, truncate_partial_line
+from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import AppendTarget, JsonlAppender, scan_for_append
 from gsm8kctl.models import resolve_model
+from gsm8kctl.paths import check_output_file
 from gsm8kctl.progress import Progress, say
-from gsm8kctl.tapes import LLM_CALLS_FILE, make_tape, tape_id
+from gsm8kctl.tapes import LLM_CALLS_FILE, check_tape, make_tape, shown, tape_id
 
 
-def done_attempts(out: str, iteration: int) -> set[tuple[str, int]]:
-    """(problem_id, attempt) pairs already written to `out` for this iteration."""
-    if out == "-" or not Path(out).exists():
+# Tapes reach the file in groups: at most this many completions or seconds apart.
+FLUSH_EVERY = 256
+FLUSH_SECONDS = 5.0
+REQUESTS_PER_CALL = 256  # backends without streaming (vllm, openai): completions per generate call
+
+
+def _tape_key(record: dict, where: str) -> tuple[str, int, int]:
+    """(problem_id, attempt, iteration) of a tape already in the output; anything else is refused."""
+    check_tape(record, where)
+    attempt = record.get("attempt")
+    if not isinstance(attempt, int) or isinstance(attempt, bool):
+        raise UserError(f"{where}: tape {record['id']}: attempt must be an integer, got {shown(attempt)}")
+    return record["problem_id"], attempt, record.get("iteration") or 0
+
+
+def existing_output(out: str) -> AppendTarget | None:
+    """The tapes already in `out`, all checked before anything is written (jsonl.scan_for_append)."""
+    return None if out == "-" else scan_for_append(out, _tape_key)
+
+
+def done_attempts(existing: AppendTarget | None, iteration: int) -> set[tuple[str, int]]:
+    """(problem_id, attempt) pairs already written for this iteration."""
+    if existing is None:
         return set()
-    truncate_partial_line(out)  # a writer killed mid-line (power loss) leaves a tail to drop
-    return {(t["problem_id"], int(t["attempt"])) for t in read_jsonl(out)
-            if int(t.get("iteration", 0)) == iteration}
+    return {(pid, attempt) for pid, attempt, it in existing.keys if it == iteration}
+
+
+def check_calls_db(calls_db: str | None, out: str, data_dir: str | None) -> None:
+    """The call log beside the tapes: writable, not the tapes file itself, a sqlite log of ours."""
+    if calls_db is None:
+        return
+    if out != "-" and Path(calls_db).resolve() == Path(out).resolve():
+        raise UserError(f"{out}: the tapes file and --llm-calls are the same file")
+    check_output_file(calls_db, option="--llm-calls", inputs=[out], data_dir=data_dir)
+    llm_calls.check_log(calls_db)
 
 
 def few_shot_examples(cfg: dict, problem_id: str, k: int, pool: list[dict]) -> list[tuple[str, str]]:
@@ -61,9 +91,15 @@ def open_backend(cfg: dict, model: str | None = None) -> Backend:
 
 def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts: int,
                  params: SamplingParams, out: str, calls_db: str | None, iteration: int,
-                 model_label: str, quiet: bool = False, description: str = "sampling") -> dict:
-    """Sample the missing attempts of `problems`, appending tapes to `out`; returns counts."""
-    done = done_attempts(out, iteration)
+                 model_label: str, quiet: bool = False, description: str = "sampling",
+                 existing: AppendTarget | None = None) -> dict:
+    """Sample the missing attempts of `problems`, appending tapes to `out`; returns counts.
+
+    `existing` is `existing_output(out)`, checked by the caller before it loaded the model.
+    """
+    if existing is None:
+        existing = existing_output(out)
+    done = done_attempts(existing, iteration)
     missing: dict[str, list[int]] = {}
     for p in problems:
         todo = [a for a in range(attempts) if (p["id"], a) not in done]
@@ -76,52 +112,72 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
     pool = load_problems("train", cfg["data_dir"]) if cfg["agent"]["few_shot"] > 0 else []
     db = llm_calls.open_log(calls_db) if calls_db else None
     by_id = {p["id"]: p for p in problems}
-    # Problems needing the same number of attempts go to the backend together with n = that number.
-    buckets: dict[int, list[str]] = defaultdict(list)
-    for pid, todo in missing.items():
-        buckets[len(todo)].append(pid)
-    per_call = max(1, cfg["sampling"]["batch_size"] // max(1, attempts)) if backend.name == "transformers" \
-        else max(1, 256 // max(1, attempts))
+    # One request per missing attempt, seeded from its tape id: an attempt redone after a crash
+    # draws the same randomness whatever else shares its batch (sampling.py says what that buys).
+    jobs = [(by_id[pid], attempt) for pid, todo in missing.items() for attempt in todo]
+    rendered = {pid: prompt_for(cfg, backend.tokenizer, by_id[pid], pool) for pid in missing}
+    ids_of = {(p["id"], attempt): tape_id(p["id"], iteration, attempt, model_label) for p, attempt in jobs}
+    seeds = None if params.seed is None else [completion_seed(params.seed, ids_of[(p["id"], a)]) for p, a in jobs]
     stats = {"tapes": 0, "tokens": 0, "skipped": skipped}
-    chunk_no = 0
-    with JsonlAppender(out) as writer, Progress(len(missing), description, quiet) as bar:
-        for n, pids in buckets.items():
-            for start in range(0, len(pids), per_call):
-                chunk = [by_id[pid] for pid in pids[start:start + per_call]]
-                prompts = [prompt_for(cfg, backend.tokenizer, p, pool) for p in chunk]
-                seed = None if params.seed is None else params.seed + 1000 * iteration + chunk_no
-                chunk_no += 1
-                call_params = SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
-                                             max_tokens=params.max_tokens, seed=seed)
-                results = backend.generate([ids for _, _, ids in prompts], call_params)
-                tapes, calls, tokens = [], [], 0
-                now = time.time()
-                for problem, (messages, text, ids), completions in zip(chunk, prompts, results):
-                    for attempt, comp in zip(missing[problem["id"]], completions):
-                        tid = tape_id(problem["id"], iteration, attempt, model_label)
-                        grade = agent.grade(comp.text, problem["gold"], comp.finish_reason,
-                                            cfg["agent"]["reward_extractor"])
-                        call_id = f"call-{tid}"
-                        tapes.append(make_tape(
-                            problem=problem, iteration=iteration, attempt=attempt, model=model_label,
-                            messages=messages, prompt_token_ids=ids, completion_token_ids=comp.token_ids,
-                            logprobs=comp.logprobs, completion_text=comp.text,
-                            finish_reason=comp.finish_reason, grade=grade,
-                            llm_call_id=call_id if db is not None else None))
-                        calls.append(llm_calls.call_record(
-                            call_id=call_id, tape_id=tid, backend=backend.name, model=model_label,
-                            messages=messages, prompt_text=text, completion=comp.text,
-                            params=call_params.as_dict(), prompt_tokens=len(ids),
-                            completion_tokens=len(comp.token_ids), latency_s=comp.latency_s,
-                            finish_reason=comp.finish_reason, created=now))
-                        tokens += len(comp.token_ids)
-                if db is not None:
-                    llm_calls.insert_calls(db, calls)
-                for tape in tapes:
-                    writer.write(tape)
-                stats["tapes"] += len(tapes)
-                stats["tokens"] += tokens
-                bar.advance(len(chunk), tokens)
+    if existing is not None:
+        existing.repair()  # our own half-written last line goes, a whole one gets its newline
+    with JsonlAppender(out) as writer, Progress(len(jobs), description, quiet, unit="attempts") as bar:
+        pending: list[tuple[int, Completion]] = []
+
+        def flush() -> None:
+            """Calls first, then tapes: a tape never points at a call that is not there."""
+            tapes, calls, tokens = [], [], 0
+            now = time.time()
+            for k, comp in pending:
+                problem, attempt = jobs[k]
+                messages, text, ids = rendered[problem["id"]]
+                tid = ids_of[(problem["id"], attempt)]
+                grade = agent.grade(comp.text, problem["gold"], comp.finish_reason, cfg["agent"]["reward_extractor"])
+                call_id = f"call-{tid}"
+                tapes.append(make_tape(
+                    problem=problem, iteration=iteration, attempt=attempt, model=model_label,
+                    messages=messages, prompt_token_ids=ids, completion_token_ids=comp.token_ids,
+                    logprobs=comp.logprobs, completion_text=comp.text,
+                    finish_reason=comp.finish_reason, grade=grade,
+                    llm_call_id=call_id if db is not None else None))
+                call_params = {**params.as_dict(), "n": 1, "seed": None if seeds is None else seeds[k]}
+                calls.append(llm_calls.call_record(
+                    call_id=call_id, tape_id=tid, backend=backend.name, model=model_label,
+                    messages=messages, prompt_text=text, completion=comp.text,
+                    params=call_params, prompt_tokens=len(ids),
+                    completion_tokens=len(comp.token_ids), latency_s=comp.latency_s,
+                    finish_reason=comp.finish_reason, created=now))
+                tokens += len(comp.token_ids)
+            if db is not None:
+                llm_calls.insert_calls(db, calls)
+            for tape in tapes:
+                writer.write(tape)
+            stats["tapes"] += len(tapes)
+            stats["tokens"] += tokens
+            bar.advance(len(pending), tokens)
+            pending.clear()
+
+        prompts = [rendered[p["id"]][2] for p, _ in jobs]
+        if hasattr(backend, "generate_iter"):
+            # One continuous batch over every attempt; tapes are written as completions finish.
+            call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                                  max_tokens=params.max_tokens, seed=params.seed, seeds=seeds)
+            last = time.perf_counter()
+            for k, _, comp in backend.generate_iter(prompts, call):
+                pending.append((k, comp))
+                if len(pending) >= FLUSH_EVERY or time.perf_counter() - last > FLUSH_SECONDS:
+                    flush()
+                    last = time.perf_counter()
+            flush()
+        else:
+            for start in range(0, len(jobs), REQUESTS_PER_CALL):
+                part = range(start, min(start + REQUESTS_PER_CALL, len(jobs)))
+                call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                                      max_tokens=params.max_tokens, seed=params.seed,
+                                      seeds=None if seeds is None else [seeds[k] for k in part])
+                results = backend.generate([prompts[k] for k in part], call)
+                pending.extend((k, r[0]) for k, r in zip(part, results))
+                flush()
         stats["tokens_per_s"] = round(bar.tokens_per_s, 1)
         stats["seconds"] = round(time.perf_counter() - bar.start, 2)
     if db is not None:
@@ -132,23 +188,32 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
 def sample(cfg: dict, *, out: str, split: str = "train", n_problems: int | None = None,
            problem_ids: list[str] | None = None, calls_db: str | None = None, iteration: int = 0,
            backend: Backend | None = None, quiet: bool = False) -> dict:
+    # Every check before the model loads and before anything is written: a refused run writes nothing.
+    if calls_db is None and out != "-":
+        calls_db = str(Path(out).parent / LLM_CALLS_FILE)
+    config_path = None if out == "-" else Path(out).with_suffix(".config.yaml")
+    check_output_file(out, option="-o", data_dir=cfg["data_dir"], append=True)
+    if config_path is not None:
+        check_output_file(config_path, option="-o (its config)", inputs=[out], data_dir=cfg["data_dir"])
+    check_calls_db(calls_db, out, cfg["data_dir"])
+    existing = existing_output(out)
     problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=n_problems,
                                problem_ids=problem_ids)
+    if cfg["agent"]["few_shot"] > 0:
+        load_problems("train", cfg["data_dir"])  # the few-shot pool: checked now, cached for later
     s = cfg["sampling"]
     params = SamplingParams(n=cfg["attempts"], temperature=s["temperature"], top_p=s["top_p"],
                             max_tokens=s["max_tokens"], seed=cfg["seed"])
-    if calls_db is None and out != "-":
-        calls_db = str(Path(out).parent / LLM_CALLS_FILE)
     own = backend is None
     if own:
         backend = open_backend(cfg)
         say(f"backend: {backend.name}, model: {cfg['model']}", quiet)
-    if out != "-":  # only once the inputs checked out: a refused run writes nothing
-        save_config(cfg, Path(out).with_suffix(".config.yaml"))
+    if config_path is not None:  # only once the inputs checked out: a refused run writes nothing
+        save_config(cfg, config_path)
     try:
         return run_attempts(cfg, backend=backend, problems=problems, attempts=cfg["attempts"], params=params,
                             out=out, calls_db=calls_db, iteration=iteration, model_label=cfg["model"],
-                            quiet=quiet)
+                            quiet=quiet, existing=existing)
     finally:
         if own:
             backend.close()

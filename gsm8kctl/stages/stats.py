@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from typing import Iterable
+from itertools import chain
+from typing import Iterable, Iterator
 
-from gsm8kctl.tapes import outcome
+from gsm8kctl.errors import UserError
+from gsm8kctl.tapes import check_tape, outcome
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -83,22 +85,43 @@ def is_samples_record(record: dict) -> bool:
     return "input_ids" in record and "completion_token_ids" not in record
 
 
-def file_stats(records: Iterable[dict]) -> dict:
-    """Stats of a tapes or a samples stream, told apart by the first record."""
+def file_stats(records: Iterable[dict] | Iterable[tuple[str, dict]]) -> dict:
+    """Stats of a tapes or a samples stream, told apart by the first record; every record checked.
+
+    Records are dicts or (`file:line`, dict) pairs; a `read_jsonl` iterator names each line
+    through its `where`. A record that is neither a tape nor a sample (or is the other kind) is a
+    UserError naming its line and key, raised once the stream has been read to the end: a JSON
+    syntax error further down is reported first, as it says more (not JSONL, or cut mid-write).
+    """
+    from gsm8kctl.samples import check_sample, samples_stats
+
     it = iter(records)
-    first = next(it, None)
-    if first is None:
+    refused: list[UserError] = []
+
+    def located() -> Iterator[tuple[str, dict]]:
+        for n, item in enumerate(it, 1):
+            yield item if isinstance(item, tuple) else (getattr(it, "where", f"record {n}"), item)
+
+    def checked(pairs: Iterator[tuple[str, dict]], check) -> Iterator[dict]:
+        for where, record in pairs:
+            try:
+                yield check(record, where)
+            except UserError as exc:
+                refused.append(exc)
+                break
+        for _ in pairs:  # the rest only for its syntax (see the docstring)
+            pass
+
+    pairs = located()
+    head = next(pairs, None)
+    if head is None:
         return {"kind": "empty", "count": 0}
-
-    def chain():
-        yield first
-        yield from it
-
-    if is_samples_record(first):
-        from gsm8kctl.samples import samples_stats
-
-        return samples_stats(chain())
-    return tape_stats(chain())
+    samples = is_samples_record(head[1])
+    stream = checked(chain([head], pairs), check_sample if samples else check_tape)
+    result = samples_stats(stream) if samples else tape_stats(stream)
+    if refused:
+        raise refused[0]
+    return result
 
 
 def render_table(stats: dict, title: str) -> None:

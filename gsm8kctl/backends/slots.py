@@ -1,0 +1,408 @@
+"""Continuous batching over a static KV cache: the transformers backend's sampler on CUDA.
+
+The cache holds `slots` sequences of up to `max_len` tokens each, for every layer at once:
+`kv[layer, 0 | 1, slot, position, kv_head, head_dim]`. A slot holds one completion from its
+prefill to its last token; when it finishes, the slot takes the next waiting prompt. So a
+batch never waits on its longest row, and the decode step always has the same shapes:
+
+- **decode** runs the model on one token per slot (rows `[:bucket]`), writes each slot's new
+  key/value at its own position and attends to its positions `0..pos` (a boolean mask). On CUDA
+  the whole step (model, log-softmax, token choice) is captured once per bucket of slot rows as
+  a CUDA graph and replayed: no `torch.compile`, so a new process pays a capture of well under a
+  second per bucket instead of a compile.
+- **prefill** of incoming prompts is batched under `prefill_token_budget` (padded tokens) and
+  runs eagerly: its shapes vary, and it is compute-bound, so launch overhead does not matter.
+- The host looks at the tokens every `window` decode steps (one sync), hands out finished
+  completions and refills free slots. A slot that finished inside a window decodes a few junk
+  tokens until the window ends; they are dropped.
+- When the waiting queue is empty and few slots remain busy, busy slots move down to the lowest
+  rows (one indexed copy of their cache rows) so a smaller bucket's graph runs.
+
+The model is the Hugging Face module itself: its attention calls `_slot_attention` (registered
+as an attention implementation), which reads and writes the slot cache; everything else (RoPE,
+MLP, norms) is the model's own code, so any decoder whose attention goes through the attention
+interface and whose logits are `lm_head(last hidden state)` works (Llama, Qwen2, Mistral, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gsm8kctl.backends.sampling import choose, uniforms
+from gsm8kctl.errors import UserError
+
+ATTN_NAME = "gsm8kctl_slots"
+# Bytes of float32 work per slot and vocabulary entry in a decode step: log-softmax, probs,
+# cdf (and the sort's copies when top_p < 1).
+_LOGIT_BYTES_PER_VOCAB = 4 * 6
+
+
+class _Forward:
+    """What `_slot_attention` reads during one forward: set by the engine right before it."""
+
+    kv: torch.Tensor | None = None
+    flash: bool = False  # decode attention by flash varlen with per-slot key counts (CUDA)
+    cu_q: torch.Tensor | None = None  # flash: 0, 1, ..., slots (one query per slot)
+    cu_k: torch.Tensor | None = None  # flash: 0, L, 2L, ... (slot s's keys start at s * L)
+    prefill_rows: torch.Tensor | None = None  # prefill: the slot row of each batch row
+    decode_rows: torch.Tensor | None = None  # decode: arange(bucket)
+    pos: torch.Tensor | None = None  # decode: write position of each slot row [bucket]
+    mask: torch.Tensor | None = None  # decode: [bucket, 1, 1, max_len] bool, True = attend
+
+
+_FWD = _Forward()
+
+
+def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over the slot cache. query [B, H, q, D], key/value [B, Hkv, q, D] (RoPE applied)."""
+    k_cache, v_cache = _FWD.kv[module.layer_idx]  # each [slots, L, Hkv, D]
+    b, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    rep = heads // kv_heads
+    if _FWD.prefill_rows is not None:
+        # Prompts are right-padded from position 0: real tokens only see real tokens causally.
+        k_cache[_FWD.prefill_rows, :q_len] = key.transpose(1, 2)
+        v_cache[_FWD.prefill_rows, :q_len] = value.transpose(1, 2)
+        if rep > 1:
+            key = key.repeat_interleave(rep, dim=1)
+            value = value.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    rows, pos = _FWD.decode_rows, _FWD.pos
+    k_cache[rows, pos] = key[:, :, 0]
+    v_cache[rows, pos] = value[:, :, 0]
+    if _FWD.flash:
+        # Each slot reads only its own pos + 1 keys (not the whole slot): flash varlen with the
+        # slots laid end to end, slot s starting at s * L, and `seqused_k` keys used of each.
+        # The `rep` query heads sharing a kv head go in as `rep` query rows of one kv head, so
+        # each key is read once per kv head, not once per query head.
+        slots, length = k_cache.shape[:2]
+        q = query[:, :, 0].view(b, kv_heads, rep, dim).transpose(1, 2).reshape(b * rep, kv_heads, dim)
+        out = torch.ops.aten._flash_attention_forward(
+            q, k_cache.view(slots * length, kv_heads, dim), v_cache.view(slots * length, kv_heads, dim),
+            _FWD.cu_q[:b + 1] * rep, _FWD.cu_k[:b + 1], rep, length, 0.0, False, False, scale=scaling,
+            seqused_k=(pos + 1).to(torch.int32))[0]
+        out = out.view(b, rep, kv_heads, dim).transpose(1, 2).reshape(b, 1, heads, dim)
+        return out, None
+    # One query token per slot: the `rep` query heads of a kv head become its query rows, so
+    # grouped-query attention needs no copy of the cache (head h reads kv head h // rep).
+    q = query.view(b, kv_heads, rep, dim)
+    out = F.scaled_dot_product_attention(q, k_cache[:b].transpose(1, 2), v_cache[:b].transpose(1, 2),
+                                         attn_mask=_FWD.mask[:b], scale=scaling)
+    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def _flash_works(device, dtype) -> bool:
+    """Whether this torch build runs flash varlen attention with `seqused_k` (else masked SDPA)."""
+    try:
+        q = torch.zeros((2, 2, 64), dtype=dtype, device=device)
+        kv = torch.zeros((8, 1, 64), dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+        torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu * 4, 1, 4, 0.0, False, False,
+                                                seqused_k=torch.tensor([1, 3], dtype=torch.int32, device=device))
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _slot_attention)
+
+
+@dataclass
+class Request:
+    index: int  # position in the caller's list of completions
+    prompt: list[int]
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = "length"
+    start: float = 0.0
+
+
+@dataclass
+class Finished:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    latency_s: float
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_slots(config, dtype: torch.dtype, max_len: int, *, max_slots: int | None, fraction: float,
+               free_bytes: int) -> int:
+    """Slot count: `max_slots`, or as many as `fraction` of free memory holds (multiple of 16)."""
+    per_slot = max_len * kv_bytes_per_token(config, dtype) + config.vocab_size * _LOGIT_BYTES_PER_VOCAB
+    gib = 1024 ** 3
+    if max_slots:
+        need = max_slots * per_slot
+        if need > 0.9 * free_bytes:
+            raise UserError(f"sampling.max_slots={max_slots} needs {need / gib:.1f} GiB for {max_len}-token slots, "
+                            f"but only {free_bytes / gib:.1f} GiB is free; lower sampling.max_slots or max_tokens")
+        return max_slots
+    slots = int(free_bytes * fraction // per_slot) // 16 * 16
+    if slots < 1:
+        raise UserError(f"sampling.kv_memory_fraction={fraction} of {free_bytes / gib:.2f} GiB free holds no "
+                        f"{max_len}-token slot ({per_slot / 2**20:.0f} MiB each)")
+    return slots
+
+
+def buckets_for(slots: int, smallest: int = 16) -> list[int]:
+    """Row counts a decode step runs at: slots, slots/2, ... down to `smallest` (ascending)."""
+    out = [slots]
+    while out[-1] // 2 >= smallest and out[-1] % 2 == 0:
+        out.append(out[-1] // 2)
+    return sorted(out)
+
+
+class SlotEngine:
+    """Continuous batching for one model: slots, cache and captured graphs live as long as it."""
+
+    def __init__(self, model, *, slots: int, max_len: int, stop_ids: Sequence[int], pad_id: int,
+                 prefill_token_budget: int = 8192, use_graphs: bool | None = None, window: int | None = None):
+        _register()
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.slots, self.max_len, self.vocab = slots, max_len, cfg.vocab_size
+        self.pad_id, self.budget = pad_id, prefill_token_budget
+        cuda = self.device.type == "cuda"
+        self.use_graphs = cuda if use_graphs is None else use_graphs
+        # One host sync per `window` decode steps; on the CPU a sync is free, junk steps are not.
+        self.window = window or (8 if cuda else 1)
+        self.buckets = buckets_for(slots) if self.use_graphs else list(range(1, slots + 1))
+        dev = self.device
+        self.kv = torch.zeros((cfg.num_hidden_layers, 2, slots, max_len, kv_heads, head_dim), dtype=dtype, device=dev)
+        # Per-slot state, read and written by the decode step in place (static addresses for graphs).
+        self.tok = torch.zeros(slots, dtype=torch.long, device=dev)  # last chosen token = next input
+        self.lp = torch.zeros(slots, dtype=torch.float32, device=dev)  # its raw log-prob
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)  # where the next input's kv goes
+        self.count = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens generated so far
+        # Each slot's uniform stream (see sampling.py); token `count` of a slot consumes u[slot, count].
+        self.u = torch.zeros((slots, max_len), dtype=torch.float64, device=dev)
+        self.rows = torch.arange(slots, device=dev)
+        self.mask = torch.zeros((slots, 1, 1, max_len), dtype=torch.bool, device=dev)
+        self.positions = torch.arange(max_len, device=dev)
+        self.stop = torch.tensor(sorted(set(stop_ids)), device=dev)
+        self.cu_q = torch.arange(slots + 1, dtype=torch.int32, device=dev)
+        self.cu_k = self.cu_q * max_len
+        self.flash = cuda and dtype in (torch.float16, torch.bfloat16) and _flash_works(self.device, dtype)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.stats = {"decode_steps": 0, "prefill_tokens": 0, "graph_captures": 0, "capture_s": 0.0,
+                      "slot_steps_busy": 0, "slot_steps_run": 0}
+
+    # ------------------------------------------------------------------ model calls
+    def _attn(self):
+        """Route the model's attention to the slot cache for the duration of one forward."""
+        engine = self
+
+        class _Route:
+            def __enter__(self):
+                self.saved = engine.model.config._attn_implementation
+                engine.model.config._attn_implementation = ATTN_NAME
+                _FWD.kv, _FWD.mask, _FWD.flash = engine.kv, engine.mask, engine.flash
+                _FWD.cu_q, _FWD.cu_k = engine.cu_q, engine.cu_k
+
+            def __exit__(self, *exc):
+                engine.model.config._attn_implementation = self.saved
+                _FWD.prefill_rows = None
+
+        return _Route()
+
+    def _logp(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+
+    @torch.inference_mode()
+    def _prefill(self, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+        """Run the prompts into their slot rows; log-probs of each prompt's next token [k, V]."""
+        width = max(len(r.prompt) for r in reqs)
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+        ids = ids.to(self.device)
+        last = torch.tensor([len(r.prompt) - 1 for r in reqs], device=self.device)
+        with self._attn():
+            _FWD.prefill_rows = torch.tensor(rows, device=self.device)
+            hidden = self.decoder(input_ids=ids, position_ids=self.positions[:width].expand(len(reqs), width),
+                                  use_cache=False).last_hidden_state
+        self.stats["prefill_tokens"] += len(reqs) * width
+        return self._logp(hidden[torch.arange(len(reqs), device=self.device), last])
+
+    def _step(self, b: int, temperature: float, top_p: float) -> None:
+        """One decode step on slot rows [:b], entirely on the device (graph-capturable)."""
+        pos = self.pos[:b]
+        self.mask[:b, 0, 0] = self.positions[None, :] <= pos[:, None]
+        _FWD.decode_rows, _FWD.pos = self.rows[:b], pos
+        with self._attn():
+            hidden = self.decoder(input_ids=self.tok[:b, None], position_ids=pos[:, None],
+                                  use_cache=False).last_hidden_state[:, -1]
+        logp = self._logp(hidden)
+        u = self.u[:b].gather(1, self.count[:b, None].clamp(max=self.max_len - 1)).squeeze(1)
+        chosen = choose(logp, u, temperature, top_p)
+        self.lp[:b] = logp.gather(-1, chosen[:, None]).squeeze(-1)
+        self.tok[:b] = chosen
+        self.count[:b] += 1
+        self.pos[:b] = (pos + 1).clamp_(max=self.max_len - 1)  # finished slots idle at the end
+
+    @torch.inference_mode()
+    def _run_step(self, b: int, temperature: float, top_p: float) -> None:
+        if not self.use_graphs:
+            self._step(b, temperature, top_p)
+            return
+        key = (b, temperature, top_p)
+        graph = self._graphs.get(key)
+        if graph is None:
+            t0 = time.perf_counter()
+            # Warm up on a side stream (allocator, cuBLAS handles), then capture. The captured
+            # step mutates the slot state, so save and restore it around the warm-up.
+            saved = [t.clone() for t in (self.tok, self.lp, self.pos, self.count)]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(b, temperature, top_p)
+            torch.cuda.current_stream().wait_stream(stream)
+            for t, s in zip((self.tok, self.lp, self.pos, self.count), saved):
+                t.copy_(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool()):
+                self._step(b, temperature, top_p)
+            for t, s in zip((self.tok, self.lp, self.pos, self.count), saved):
+                t.copy_(s)
+            self._graphs[key] = graph
+            self.stats["graph_captures"] += 1
+            self.stats["capture_s"] += time.perf_counter() - t0
+        graph.replay()
+
+    def _pool(self):
+        if not hasattr(self, "_mempool"):
+            self._mempool = torch.cuda.graph_pool_handle()
+        return self._mempool
+
+    # ------------------------------------------------------------------ scheduling
+    def run(self, requests: list[Request], *, temperature: float, top_p: float,
+            max_tokens: int) -> Iterator[Finished]:
+        """Decode every request; yields each one as it finishes (not in request order)."""
+        for r in requests:
+            if len(r.prompt) + max_tokens > self.max_len:
+                raise UserError(f"a prompt of {len(r.prompt)} tokens + max_tokens {max_tokens} does not fit "
+                                f"the sampler's {self.max_len}-token slots")
+        stop_set = set(self.stop.tolist())
+        stops = np.array(sorted(stop_set))
+        waiting = deque(requests)
+        owner: list[Request | None] = [None] * self.slots  # request held by each slot row
+        win_tok = torch.zeros((self.slots, self.window), dtype=torch.long, device=self.device)
+        win_lp = torch.zeros((self.slots, self.window), dtype=torch.float32, device=self.device)
+        refill_at = max(1, self.slots // 16)  # free slots worth a prefill while the others wait
+
+        def finish(row: int) -> Finished:
+            r, owner[row] = owner[row], None
+            return Finished(r.index, r.tokens, r.logprobs, r.finish, time.perf_counter() - r.start)
+
+        while waiting or any(o is not None for o in owner):
+            free = [i for i in range(self.slots) if owner[i] is None]
+            if waiting and (len(free) >= refill_at or len(free) == self.slots):
+                for row in self._admit(waiting, free, owner, temperature, top_p, max_tokens, stop_set):
+                    yield finish(row)
+            busy = [i for i in range(self.slots) if owner[i] is not None]
+            if not busy:
+                continue
+            if not waiting:
+                busy = self._compact(busy, owner)
+            b = next(k for k in self.buckets if k > busy[-1])
+            for j in range(self.window):
+                self._run_step(b, temperature, top_p)
+                win_tok[:b, j] = self.tok[:b]
+                win_lp[:b, j] = self.lp[:b]
+            self.stats["decode_steps"] += self.window
+            self.stats["slot_steps_run"] += b * self.window
+            # The window's one host sync; then each busy slot takes tokens up to its stop or limit.
+            toks, lps = win_tok[:b].cpu().numpy(), win_lp[:b].cpu().numpy()
+            is_stop = np.isin(toks, stops)
+            for i in busy:
+                r = owner[i]
+                room = max_tokens - len(r.tokens)
+                hit = np.flatnonzero(is_stop[i])
+                n = min(self.window, room, int(hit[0]) + 1 if hit.size else self.window)
+                r.tokens.extend(toks[i, :n].tolist())
+                r.logprobs.extend(lps[i, :n].tolist())
+                self.stats["slot_steps_busy"] += n
+                if hit.size and hit[0] < n:
+                    r.finish = "stop"
+                    yield finish(i)
+                elif n >= room:
+                    yield finish(i)
+
+    def _admit(self, waiting, free, owner, temperature, top_p, max_tokens, stop_set) -> Iterator[int]:
+        """Prefill waiting prompts into free rows (lowest first) under the token budget; yields
+        the rows whose request ended at its first token."""
+        rows = sorted(free)[:len(waiting)]
+        admitted = [waiting.popleft() for _ in rows]
+        start = 0
+        while start < len(admitted):
+            end, width = start, 0
+            while end < len(admitted):
+                w = max(width, len(admitted[end].prompt))
+                if end > start and w * (end - start + 1) > self.budget:
+                    break
+                width, end = w, end + 1
+            chunk, chunk_rows = admitted[start:end], rows[start:end]
+            now = time.perf_counter()
+            streams = torch.stack([uniforms(r.seed, self.max_len) for r in chunk])
+            dev_rows = torch.tensor(chunk_rows, device=self.device)
+            self.u[dev_rows] = streams.to(self.device)
+            logp = self._prefill(chunk, chunk_rows)
+            first = choose(logp, self.u[dev_rows, 0], temperature, top_p)
+            first_lp = logp.gather(-1, first[:, None]).squeeze(-1)
+            self.tok[dev_rows] = first
+            self.lp[dev_rows] = first_lp
+            self.pos[dev_rows] = torch.tensor([len(r.prompt) for r in chunk], device=self.device)
+            self.count[dev_rows] = 1
+            for r, row, tok, lp in zip(chunk, chunk_rows, first.tolist(), first_lp.tolist()):
+                r.start = now
+                owner[row] = r
+                r.tokens.append(tok)
+                r.logprobs.append(lp)
+                if tok in stop_set:
+                    r.finish = "stop"
+                    yield row
+                elif max_tokens <= 1:
+                    yield row
+            start = end
+
+    def _compact(self, busy: list[int], owner) -> list[int]:
+        """Move busy slots into the lowest rows when that lets a smaller bucket run."""
+        target = next(k for k in self.buckets if k >= len(busy))
+        if busy[-1] < target:
+            return busy
+        movers = [r for r in busy if r >= target]
+        holes = [r for r in range(target) if owner[r] is None][:len(movers)]
+        src = torch.tensor(movers, device=self.device)
+        dst = torch.tensor(holes, device=self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+        for t in (self.tok, self.lp, self.pos, self.count, self.u):
+            t[dst] = t[src]
+        for s, d in zip(movers, holes):
+            owner[d], owner[s] = owner[s], None
+        return sorted(r for r in range(self.slots) if owner[r] is not None)
