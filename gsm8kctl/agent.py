@@ -30,8 +30,8 @@ EXTRACTORS = ("strict", "lenient")
 
 # "1,234,567" only as a whole thousands group (so "1,2345" is 1 and 2345, not 12345); then a
 # plain integer; optional decimal part that needs digits, so "3." at a sentence end reads 3.
-# A group never starts right after "digit,": else every group of a 1 MB "1,111,111,..." would
-# be a new start that re-reads the rest of the run (quadratic).
+# A grouped number never starts right after "digit,": else each group of a 1 MB "1,111,111,..."
+# would start a new match that re-reads the rest of the run (quadratic).
 _NUM = r"(?:(?:(?<![0-9],)[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
 _FRAC_CMD = r"\\[dt]?frac"
 _LATEX_FRAC = rf"{_FRAC_CMD}\s*(?:\{{[^{{}}]*\}}|[0-9])\s*(?:\{{[^{{}}]*\}}|[0-9])"
@@ -175,6 +175,7 @@ def extract_strict(text: str) -> str | None:
 
 
 def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    """Last match of `pattern` in `text`, without holding every match in a list."""
     m = None
     for m in pattern.finditer(text):
         pass

@@ -154,6 +154,66 @@ EXTRACTION_CASES = [
                  r"\text{not enough information}", r"\text{not enough information}",
                  False, False, id="box-without-number"),
     pytest.param(r"\boxed{10^6}", "1000000", "10^6", "10^6", True, True, id="power-of-ten"),
+    # Issue 13 item 8: a number or power too big to be an answer is unreadable, never a crash
+    # (Python refuses int <-> str past 4,300 digits).
+    pytest.param(r"\boxed{" + "9" * 44 + "^{99}}", "18", "9" * 44 + "^{99}", "9" * 44 + "^{99}",
+                 False, False, id="huge-power-unreadable"),
+    pytest.param(r"\boxed{2^{99999}}", "18", "2^{99999}", "2^{99999}", False, False,
+                 id="huge-exponent-unreadable"),
+    pytest.param(r"\boxed{" + "1" * 5000 + "}", "18", "1" * 5000, "1" * 5000, False, False,
+                 id="5000-digit-number-unreadable"),
+    pytest.param("The answer is " + "7" * 5000, "7", None, "7" * 5000, False, False,
+                 id="5000-digit-number-lenient"),
+    pytest.param(r"\boxed{\frac{" + "3" * 400 + "}{3}}", "18", r"\frac{" + "3" * 400 + "}{3}",
+                 r"\frac{" + "3" * 400 + "}{3}", False, False, id="huge-fraction-unreadable"),
+    pytest.param(r"\boxed{10^{100}}", "18", "10^{100}", "10^{100}", False, False,
+                 id="big-power-still-a-number"),
+    # Item 9: a minus apart from its number is still its sign.
+    pytest.param(r"\boxed{- 5}", "-5", "- 5", "- 5", True, True, id="minus-space"),
+    pytest.param(r"\boxed{- 5}", "5", "- 5", "- 5", False, False, id="minus-space-is-not-plus"),
+    pytest.param(r"\boxed{-\$ 5}", "-5", r"-\$ 5", r"-\$ 5", True, True, id="minus-dollar-space"),
+    pytest.param(r"\boxed{-\,5}", "-5", r"-\,5", r"-\,5", True, True, id="minus-thin-space"),
+    pytest.param(r"\boxed{-(5)}", "-5", "-(5)", "-(5)", True, True, id="minus-parenthesis"),
+    pytest.param(r"\boxed{-\left(5\right)}", "-5", r"-\left(5\right)", r"-\left(5\right)",
+                 True, True, id="minus-left-right"),
+    pytest.param(r"\boxed{(-5)}", "-5", "(-5)", "(-5)", True, True, id="parenthesised-negative"),
+    # Item 10: a box holding an expression or alternatives is unreadable (not evaluated), never
+    # credited by its last operand; a result after "=" is read.
+    pytest.param(r"\boxed{3 \times 18}", "18", r"3 \times 18", r"3 \times 18", False, False,
+                 id="product-not-credited"),
+    pytest.param(r"\boxed{3 \times 18}", "54", r"3 \times 18", r"3 \times 18", False, False,
+                 id="product-not-evaluated"),
+    pytest.param(r"\boxed{10 + 18}", "18", "10 + 18", "10 + 18", False, False,
+                 id="sum-not-credited"),
+    pytest.param(r"\boxed{19 \text{ or } 18}", "18", r"19 \text{ or } 18", r"19 \text{ or } 18",
+                 False, False, id="alternatives-not-credited"),
+    pytest.param(r"\boxed{17-18}", "18", "17-18", "17-18", False, False, id="range-not-credited"),
+    pytest.param(r"\boxed{18, 19}", "19", "18, 19", "18, 19", False, False, id="list-not-credited"),
+    pytest.param(r"\boxed{x = 3 + 15}", "18", "x = 3 + 15", "x = 3 + 15", False, False,
+                 id="expression-after-equals-not-credited"),
+    pytest.param(r"\boxed{3 \times 6 = 18}", "18", r"3 \times 6 = 18", r"3 \times 6 = 18", True,
+                 True, id="expression-with-result"),
+    pytest.param(r"\boxed{18 \text{ (2 left)}}", "18", r"18 \text{ (2 left)}",
+                 r"18 \text{ (2 left)}", True, True, id="parenthesised-remark"),
+    pytest.param(r"\boxed{60 \frac{km}{h}}", "60", r"60 \frac{km}{h}", r"60 \frac{km}{h}", True,
+                 True, id="frac-unit"),
+    pytest.param(r"\boxed{\frac{55}{3} \approx 18}", "18", r"\frac{55}{3} \approx 18",
+                 r"\frac{55}{3} \approx 18", True, True, id="approx-reads-stated-value"),
+    # Item 11: lenient reads the number after the last "=", and the statement written last.
+    pytest.param("48 + 24 = 72, so the answer is 48 + 24 = 72.", "72", None, "48 + 24 = 72",
+                 False, True, id="answer-is-chain"),
+    pytest.param("48 + 24 = 72, so the answer is 48 + 24 = 72.", "48", None, "48 + 24 = 72",
+                 False, False, id="answer-is-chain-not-first-operand"),
+    pytest.param(r"the answer is 2 \times 3 = 6 apples", "6", None, r"2 \times 3 = 6", False, True,
+                 id="answer-is-latex-chain"),
+    pytest.param("The answer is 3 + 15, I think.", "3", None, "3 + 15", False, False,
+                 id="answer-is-expression-unreadable"),
+    pytest.param("The answer is 18\n+ 2 more would be 20 but no.", "18", None, "18", False, True,
+                 id="answer-is-chain-stays-on-its-line"),
+    pytest.param("#### 5\nWait, that is wrong. The answer is 18.", "18", None, "18", False, True,
+                 id="answer-is-after-hashes-wins"),
+    pytest.param("The answer is 5.\nNo: recount.\n#### 18", "18", None, "18", False, True,
+                 id="hashes-after-answer-is-wins"),
 ]
 
 
@@ -205,12 +265,24 @@ NORMALIZE_CASES = [
     ("x = 18", Fraction(18)),
     (r"18\,000", Fraction(18000)),
     ("18\u202f000", Fraction(18000)),
-    ("1 234", Fraction(234)),  # a plain space is ambiguous: never merged
-    ("3-4", Fraction(4)),  # a range, not 3 and -4
+    ("1 234", None),  # a plain space is ambiguous: never merged, and two numbers are no answer
+    ("3-4", None),  # a range (not 3 and -4): no single answer
     ("(-5)", Fraction(-5)),
     (r"\$1,234.50", Fraction(2469, 2)),
     ("12,345,678", Fraction(12345678)),
-    ("1,2345", Fraction(2345)),  # not a thousands group
+    ("1,2345", None),  # not a thousands group: the list 1, 2345
+    ("5 + 3 = 8", Fraction(8)),
+    ("x = 5 = 2 + 3", None),
+    ("- 5", Fraction(-5)),
+    ("-(5)", Fraction(-5)),
+    ("18 (2 left)", Fraction(18)),
+    ("18 (since 6 * 3 = 18)", Fraction(18)),
+    ("9" * 301, None),
+    ("9" * 300, Fraction(int("9" * 300))),
+    ("2^{-3}", Fraction(1, 8)),
+    ("0^{-1}", None),
+    (r"\frac{1}{2}^{9999}", None),
+    ("1" * 20000, None),
     (r"2.5 \times 10^3", Fraction(2500)),
     ("5/0", None),
     ("", None),
@@ -280,8 +352,15 @@ def test_grade_length_cut_is_minus_one_even_with_a_right_box():
               finish_reason="length")
     assert g.reward == -1.0
     assert g.reason == "cut at max tokens"
-    # What was extracted is still reported, for accuracy curves and the browser.
-    assert (g.strict, g.correct_strict, g.correct) == ("18", True, True)
+    # What was extracted is still reported (the browser shows it), but `correct` agrees with the
+    # reward, and the accuracy metrics count the tape as not correct (test_gather_tapes).
+    assert (g.strict, g.correct_strict, g.correct_lenient, g.correct) == ("18", True, True, False)
+
+
+def test_grade_huge_number_is_unreadable_not_a_crash():
+    g = grade(r"\boxed{" + "9" * 44 + "^{99}}", "18")
+    assert (g.format, g.reward, g.correct) == (True, -1.0, False)
+    assert g.reason.startswith("unreadable answer")
 
 
 def test_grade_rejects_unknown_extractor():
@@ -297,6 +376,48 @@ def test_grade_is_fast_on_long_completions():
     # A repetition loop of unclosed or empty boxes is scanned once, not once per box.
     assert extract_strict("\\boxed{" * 20000) is None
     assert extract_strict("\\boxed{}" * 20000 + "\\boxed{3}" + "\\boxed{}" * 20000) == "3"
+
+
+# Fragments a model (or a broken decoder) strings together: LaTeX, markdown, signs, operators,
+# brackets, long digit runs, the phrases the extractors look for, and non-ASCII junk.
+_JUNK = ["\\boxed{", "}", "{", "\\frac", "\\dfrac{", "^", "^{", "-", "\u2212", "- (", "=",
+         "\\approx", "(", ")", "\\text{", "\\times", "\\,", "\\$", "$", "%", "*", "**", ":", ".",
+         ",", "/", " ", "\n", "\t", "#### ", "The answer is ", "answer: ", "x", "10", "0", "3",
+         "1,234", "9" * 60, "1" * 5000, "\\", "\\left(", "\u00a0", "\u202f", "\u0663",
+         "\U0001F600", "\ud800", "\x00", "\u00d7", "<<", ">>", "nan", "inf", "1e5", "0x1F"]
+
+
+def test_grade_never_raises_on_junk():
+    import random
+
+    rng = random.Random(13)
+    for _ in range(1000):
+        text = "".join(rng.choice(_JUNK) for _ in range(rng.randint(0, 30)))
+        for extractor in ("strict", "lenient"):
+            g = grade(text, rng.choice(["18", "-5", "0.5", "1234", text]),
+                      finish_reason=rng.choice(["stop", "length"]), reward_extractor=extractor)
+            assert g.reward in (-1.0, 0.0, 1.0)
+        normalize_answer(text)
+
+
+# 1 MB of one fragment each: a regex that backtracks catastrophically on any of them would take
+# hours here; linear ones take well under a second per grade.
+_MEGABYTE_UNITS = ["1,111", "1", " ", "- ", "-(", "\\frac{", "{", "10^{ ", "1^", "1.1", "####",
+                   "\\boxed{}", "(", "1=", "1 x ", "\\", "\\times 10^", "1 / ", "The answer is **",
+                   "answer is 1 + ", "#### 1 *", "2\\frac{1}{", "1\\,"]
+
+
+@pytest.mark.parametrize("unit", _MEGABYTE_UNITS)
+def test_grade_is_linear_on_a_megabyte(unit):
+    import time
+
+    body = unit * (1_000_000 // len(unit))
+    start = time.perf_counter()
+    for text in (body, "\\boxed{" + body + "}"):
+        grade(text, "1", reward_extractor="lenient")
+    normalize_answer(body[:10_000])  # the longest answer read; longer ones are unreadable
+    # Generous for a loaded 2-core machine; quadratic behaviour would be >1000x over.
+    assert time.perf_counter() - start < 20
 
 
 # ---------------------------------------------------------------------------------------------

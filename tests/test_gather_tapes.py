@@ -309,3 +309,61 @@ def test_gathered_file_feeds_stats(tmp_path):
     stats = tape_stats(read_jsonl(out))
     assert stats["count"] == 4
     assert stats["outcomes"] == {"correct": 2, "overflow": 1, "wrong": 1}
+
+
+def test_tapeagents_text_is_graded_by_our_extractors(tmp_path):
+    # Issue 13 item 15: strict/format/lenient come from agent.grade on the completion text.
+    def task(value) -> dict:
+        return ta_step("task", other={"question": QUESTION, "value": value}, task=QUESTION)
+
+    def thought(text: str, value=None) -> dict:
+        return ta_step("reasoning_thought_with_value", "p", reasoning=text, value=value)
+
+    tapes = [
+        ta_tape("boxed", [task(7), thought("3 + 4 = 7, so \\boxed{7}.", 7)]),
+        ta_tape("gold-list", [task([7]), thought("3 + 4 = 7, so \\boxed{7}.", 7)]),
+        ta_tape("wrong-box", [task(7), thought("3 + 5 = 8, so \\boxed{8}.", 8)]),
+        ta_tape("no-number", [task(72), thought("I added them.", 72)]),
+        ta_tape("gold-pair", [task([7, 8]), thought("\\boxed{7}", 7)]),
+        ta_tape("answer-text", [ta_task(value=72),
+                                ta_step("reasoning_thought", "p1", reasoning="Half of 48."),
+                                ta_step("answer_action", "p2", text="Natalia sold 72 clips.", value=72)]),
+    ]
+    src = write(tmp_path / "tapes.json", json.dumps(tapes))
+    out = tmp_path / "out.jsonl"
+
+    gather_tapes([str(src)], str(out), quiet=True)
+
+    got = {tid: (t["gold"], t["answer"]["strict"], t["answer"]["format"], t["answer"]["correct_strict"],
+                 t["answer"]["lenient"], t["answer"]["correct_lenient"], t["correct"])
+           for tid, t in by_id(out).items()}
+    assert got == {
+        "boxed": ("7", "7", True, True, "7", True, True),
+        "gold-list": ("7", "7", True, True, "7", True, True),  # [7] is the gold 7, not dropped
+        "wrong-box": ("7", "8", True, False, "8", False, False),
+        # No number in the text: the agent's own value is the lenient answer.
+        "no-number": ("72", None, False, False, "72", True, True),
+        "gold-pair": (None, "7", True, False, "7", False, False),  # two golds: none
+        "answer-text": ("72", None, False, False, "72", True, True),
+    }
+
+
+def test_stats_count_a_cut_completion_as_not_correct(tmp_path):
+    # Issue 13 item 12: a right box cut at max tokens has reward -1, so accuracy must not count it;
+    # answer.correct_strict still says the box was right. "old-cut" was written before the fix.
+    cut = our_tape("cut", attempt=1)
+    cut.update(finish_reason="length", reward=-1.0, correct=False)
+    old_cut = our_tape("old-cut", attempt=2)
+    old_cut.update(finish_reason="length", reward=-1.0)
+    wrong = our_tape("wrong", correct=False, attempt=3)
+    write(tmp_path / "tapes.jsonl", jsonl([our_tape("right"), cut, old_cut, wrong]))
+    out = tmp_path / "out.jsonl"
+
+    gather_tapes([str(tmp_path / "tapes.jsonl")], str(out), quiet=True)
+
+    stats = tape_stats(read_jsonl(out))
+    assert (stats["accuracy_strict"], stats["accuracy_lenient"]) == (0.25, 0.25)
+    assert stats["pass_at_k"]["1"] == 0.25
+    assert stats["mean_reward"] == round((1.0 - 1.0 - 1.0 + 0.0) / 4, 4)
+    assert stats["outcomes"] == {"correct": 1, "overflow": 2, "wrong": 1}
+    assert by_id(out)["cut"]["answer"]["correct_strict"] is True

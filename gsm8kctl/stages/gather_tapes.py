@@ -8,10 +8,13 @@ Reads, by content rather than by file name:
   `tapes/<split>/<iteration>/tapes.json` (also JSONL, or YAML documents).
 
 TapeAgents tapes are mapped into the tape schema of `gsm8kctl.tapes`: the `task` step gives the
-question (and the gold value in its `metadata.other`), `reasoning_thought*` steps the completion,
-`answer_action` / `final_answer_action` / a `value` on the last reasoning step the answer; reward
-and correctness come from `metadata.result` where present, else from the rule rl_gsm8k used
-(parse failure -1, answer equal to gold +1, else 0). Step kinds we do not know are kept verbatim.
+question (and the gold value in its `metadata.other`, a number or a one-element list),
+`reasoning_thought*` steps the completion, `answer_action` / `final_answer_action` / a `value` on
+the last reasoning step the answer. The completion text is graded by this project's extractors
+(`agent.grade`: `answer.strict`, `format`, `lenient`), the agent's own value standing in for a
+lenient answer the text does not show; reward and correctness come from `metadata.result` where
+present, else from the rule rl_gsm8k used (parse failure -1, answer equal to gold +1, else 0), as
+that is what the run trained on. Step kinds we do not know are kept verbatim.
 
 Tapes are deduplicated by id (the first one read wins), so gathering the same run twice, or a run
 together with an earlier gathered file, never duplicates a tape.
@@ -31,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 from rich.markup import escape
 
+from gsm8kctl import agent
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import write_jsonl
 from gsm8kctl.paths import check_output_file, is_inside
@@ -372,7 +376,9 @@ def _path_hint(path: Path | str) -> dict:
 
 
 def _num_text(value: Any) -> str | None:
-    """A TapeAgents answer value (72, 72.0, "1,234") as our answer text ("72", "1234")."""
+    """A TapeAgents answer value (72, 72.0, "1,234", [72]) as our answer text ("72", "1234")."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]  # some datasets store the gold as [value]
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, str):
@@ -462,6 +468,8 @@ def _from_tapeagents(v: dict, hint: dict, attempts: Counter) -> dict:
         elif kind in _ANSWER_KINDS:
             value = s.get("value", s.get("text"))
             steps.append({"kind": "answer", "text": _num_text(value) or str(s.get("text", ""))})
+            if s.get("text") is not None:
+                completion_parts.append(str(s["text"]))  # "Natalia sold 72 clips." is graded too
         else:
             if kind in _FAILURE_KINDS:
                 parse_failed = True
@@ -470,6 +478,9 @@ def _from_tapeagents(v: dict, hint: dict, attempts: Counter) -> dict:
         question = str(result_dict.get("question", "")) or None
     gold = _gold_of(other, result_dict)
     answer = _num_text(value)
+    overflow = "no_overflow" in result_dict and not result_dict["no_overflow"]
+    graded = agent.grade("\n".join(completion_parts), gold or "")  # its extractions, not reward
+    lenient = graded.lenient if graded.lenient is not None else answer
     reward, correct = _reward_from_result(result)
     if reward is None:
         # The rule examples/rl_gsm8k applied: a parse failure is -1, the right value +1.
@@ -506,22 +517,20 @@ def _from_tapeagents(v: dict, hint: dict, attempts: Counter) -> dict:
         "gold": gold,
         "steps": steps,
         "answer": {
-            "strict": None,
-            "lenient": answer,
-            "format": False,
-            "correct_strict": False,
-            "correct_lenient": bool(correct),
+            "strict": graded.strict,
+            "lenient": lenient,
+            "format": graded.format,
+            "correct_strict": graded.correct_strict,
+            "correct_lenient": agent.answers_match(lenient, gold or ""),
             "reason": reason,
         },
         "correct": bool(correct),
         "reward": reward,
-        "finish_reason": None,
+        "finish_reason": "length" if overflow else None,
         "prompt_token_ids": None,
         "completion_token_ids": None,
         "logprobs": None,
         "created": None,
         "source": {"format": "tapeagents", "metadata": meta, "context": v.get("context")},
     }
-    if "no_overflow" in result_dict and not result_dict["no_overflow"]:
-        tape["finish_reason"] = "length"
     return tape

@@ -50,11 +50,14 @@ def tape_stats(tapes: Iterable[dict]) -> dict:
         rewards[float(t.get("reward", 0.0))] += 1
         outcomes[outcome(t)] += 1
         ans = t.get("answer") or {}
-        strict += bool(ans.get("correct_strict"))
-        lenient += bool(ans.get("correct_lenient"))
+        # A completion cut at max tokens is not correct, even with a right box: its reward is -1
+        # (agent.grade), and accuracy must agree with the reward.
+        cut = t.get("finish_reason") == "length"
+        strict += bool(ans.get("correct_strict")) and not cut
+        lenient += bool(ans.get("correct_lenient")) and not cut
         fmt += bool(ans.get("format"))
-        overflow += t.get("finish_reason") == "length"
-        per_problem[(t.get("iteration", 0), t.get("problem_id"))].append(bool(t.get("correct")))
+        overflow += cut
+        per_problem[(t.get("iteration", 0), t.get("problem_id"))].append(bool(t.get("correct")) and not cut)
     result = {
         "kind": "tapes",
         "count": n,
