@@ -87,6 +87,13 @@ def test_sigkill_then_resume_no_duplicates_no_losses(tiny_model_dir, tmp_path):
     conn = open_readonly(tmp_path / "llm_calls.sqlite")
     assert conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0] == 80
     assert conn.execute("SELECT count(DISTINCT tape_id) FROM llm_calls").fetchone()[0] == 80
+    # Bit-identical to a run never killed: each attempt's seed comes from its tape id, not from
+    # which batch it landed in after the restart.
+    whole = tmp_path / "whole" / "tapes.jsonl"
+    assert subprocess.run([*cmd[:cmd.index("-o") + 1], str(whole), *cmd[cmd.index("-o") + 2:]], cwd=REPO,
+                          capture_output=True, timeout=600).returncode == 0
+    tokens = {t["id"]: t["completion_token_ids"] for t in read_jsonl(out)}
+    assert tokens == {t["id"]: t["completion_token_ids"] for t in read_jsonl(whole)}
 
 
 def test_pipeline_stdout_into_stats(tiny_model_dir):

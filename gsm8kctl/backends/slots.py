@@ -163,12 +163,12 @@ def plan_slots(config, dtype: torch.dtype, max_len: int, *, max_slots: int | Non
     return slots
 
 
-def buckets_for(slots: int, smallest: int = 16) -> list[int]:
-    """Row counts a decode step runs at: slots, slots/2, ... down to `smallest` (ascending)."""
-    out = [slots]
-    while out[-1] // 2 >= smallest and out[-1] % 2 == 0:
-        out.append(out[-1] // 2)
-    return sorted(out)
+def buckets_for(slots: int) -> list[int]:
+    """Row counts a decode step runs at (ascending, the last = slots): 16, 32, 64, 128, then
+    every 128 up to 1024 and every 256 beyond. A capture costs ~0.1 s, and a step costs
+    about its row count, so a fine ladder keeps a draining batch from running idle rows."""
+    ladder = [16, 32, 64] + list(range(128, 1024, 128)) + list(range(1024, slots, 256))
+    return sorted({b for b in ladder if b < slots} | {slots})
 
 
 class SlotEngine:
@@ -340,15 +340,17 @@ class SlotEngine:
             # The window's one host sync; then each busy slot takes tokens up to its stop or limit.
             toks, lps = win_tok[:b].cpu().numpy(), win_lp[:b].cpu().numpy()
             is_stop = np.isin(toks, stops)
+            first_stop = np.where(is_stop.any(1), is_stop.argmax(1), self.window)  # per row
+            tok_rows, lp_rows = toks.tolist(), lps.tolist()
             for i in busy:
                 r = owner[i]
                 room = max_tokens - len(r.tokens)
-                hit = np.flatnonzero(is_stop[i])
-                n = min(self.window, room, int(hit[0]) + 1 if hit.size else self.window)
-                r.tokens.extend(toks[i, :n].tolist())
-                r.logprobs.extend(lps[i, :n].tolist())
+                stop_at = int(first_stop[i])
+                n = min(self.window, room, stop_at + 1)
+                r.tokens.extend(tok_rows[i][:n])
+                r.logprobs.extend(lp_rows[i][:n])
                 self.stats["slot_steps_busy"] += n
-                if hit.size and hit[0] < n:
+                if stop_at < n:
                     r.finish = "stop"
                     yield finish(i)
                 elif n >= room:

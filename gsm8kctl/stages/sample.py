@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gsm8kctl import agent, llm_calls
@@ -28,7 +29,7 @@ from gsm8kctl.tapes import LLM_CALLS_FILE, check_tape, make_tape, shown, tape_id
 
 # Tapes reach the file in groups: at most this many completions or seconds apart.
 FLUSH_EVERY = 256
-FLUSH_SECONDS = 5.0
+FLUSH_SECONDS = 1.0
 REQUESTS_PER_CALL = 256  # backends without streaming (vllm, openai): completions per generate call
 
 
@@ -110,7 +111,15 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
         say(f"{out}: {skipped} attempts already there, sampling the {sum(len(v) for v in missing.values())} missing",
             quiet)
     pool = load_problems("train", cfg["data_dir"]) if cfg["agent"]["few_shot"] > 0 else []
-    db = llm_calls.open_log(calls_db) if calls_db else None
+    # The call log is opened, written and closed by the writer thread alone (sqlite
+    # connections belong to the thread that made them).
+    log: dict = {}
+
+    def calls_log():
+        if calls_db and "db" not in log:
+            log["db"] = llm_calls.open_log(calls_db)
+        return log.get("db")
+
     by_id = {p["id"]: p for p in problems}
     # One request per missing attempt, seeded from its tape id: an attempt redone after a crash
     # draws the same randomness whatever else shares its batch (sampling.py says what that buys).
@@ -122,9 +131,7 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
     if existing is not None:
         existing.repair()  # our own half-written last line goes, a whole one gets its newline
     with JsonlAppender(out) as writer, Progress(len(jobs), description, quiet, unit="attempts") as bar:
-        pending: list[tuple[int, Completion]] = []
-
-        def flush() -> None:
+        def flush(pending: list[tuple[int, Completion]]) -> None:
             """Calls first, then tapes: a tape never points at a call that is not there."""
             tapes, calls, tokens = [], [], 0
             now = time.time()
@@ -139,7 +146,7 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
                     messages=messages, prompt_token_ids=ids, completion_token_ids=comp.token_ids,
                     logprobs=comp.logprobs, completion_text=comp.text,
                     finish_reason=comp.finish_reason, grade=grade,
-                    llm_call_id=call_id if db is not None else None))
+                    llm_call_id=call_id if calls_db else None))
                 call_params = {**params.as_dict(), "n": 1, "seed": None if seeds is None else seeds[k]}
                 calls.append(llm_calls.call_record(
                     call_id=call_id, tape_id=tid, backend=backend.name, model=model_label,
@@ -148,40 +155,51 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
                     completion_tokens=len(comp.token_ids), latency_s=comp.latency_s,
                     finish_reason=comp.finish_reason, created=now))
                 tokens += len(comp.token_ids)
-            if db is not None:
-                llm_calls.insert_calls(db, calls)
+            if calls_db:
+                llm_calls.insert_calls(calls_log(), calls)
             for tape in tapes:
                 writer.write(tape)
             stats["tapes"] += len(tapes)
             stats["tokens"] += tokens
             bar.advance(len(pending), tokens)
-            pending.clear()
 
         prompts = [rendered[p["id"]][2] for p, _ in jobs]
-        if hasattr(backend, "generate_iter"):
-            # One continuous batch over every attempt; tapes are written as completions finish.
-            call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                                  max_tokens=params.max_tokens, seed=params.seed, seeds=seeds)
-            last = time.perf_counter()
-            for k, _, comp in backend.generate_iter(prompts, call):
-                pending.append((k, comp))
-                if len(pending) >= FLUSH_EVERY or time.perf_counter() - last > FLUSH_SECONDS:
-                    flush()
+        with ThreadPoolExecutor(max_workers=1) as writer_thread:
+            writes: list = []
+
+            def write(pending: list[tuple[int, Completion]]) -> None:
+                writes.append(writer_thread.submit(flush, pending))
+                while writes and writes[0].done():
+                    writes.pop(0).result()  # a failed write stops sampling now
+
+            try:
+                if hasattr(backend, "generate_iter"):
+                    # One continuous batch over every attempt; tapes are written as completions
+                    # finish, by the writer thread (in order), so grading and JSON never stall the GPU.
+                    call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                                          max_tokens=params.max_tokens, seed=params.seed, seeds=seeds)
+                    pending: list[tuple[int, Completion]] = []
                     last = time.perf_counter()
-            flush()
-        else:
-            for start in range(0, len(jobs), REQUESTS_PER_CALL):
-                part = range(start, min(start + REQUESTS_PER_CALL, len(jobs)))
-                call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                                      max_tokens=params.max_tokens, seed=params.seed,
-                                      seeds=None if seeds is None else [seeds[k] for k in part])
-                results = backend.generate([prompts[k] for k in part], call)
-                pending.extend((k, r[0]) for k, r in zip(part, results))
-                flush()
+                    for k, _, comp in backend.generate_iter(prompts, call):
+                        pending.append((k, comp))
+                        if len(pending) >= FLUSH_EVERY or time.perf_counter() - last > FLUSH_SECONDS:
+                            write(pending)
+                            pending, last = [], time.perf_counter()
+                    write(pending)
+                else:
+                    for start in range(0, len(jobs), REQUESTS_PER_CALL):
+                        part = range(start, min(start + REQUESTS_PER_CALL, len(jobs)))
+                        call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                                              max_tokens=params.max_tokens, seed=params.seed,
+                                              seeds=None if seeds is None else [seeds[k] for k in part])
+                        results = backend.generate([prompts[k] for k in part], call)
+                        write([(k, r[0]) for k, r in zip(part, results)])
+                for w in writes:
+                    w.result()
+            finally:
+                writer_thread.submit(lambda: log.pop("db").close() if "db" in log else None).result()
         stats["tokens_per_s"] = round(bar.tokens_per_s, 1)
         stats["seconds"] = round(time.perf_counter() - bar.start, 2)
-    if db is not None:
-        db.close()
     return stats
 
 
