@@ -166,7 +166,7 @@ def evaluate(
     metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
                   calls_db=llm_calls, iteration=iteration, quiet=quiet)
     if json_out:
-        typer.echo(json.dumps(metrics))
+        typer.echo(json.dumps(metrics, allow_nan=False))
     elif not quiet:
         render_table(metrics, f"evaluate {out}")
 
@@ -185,7 +185,7 @@ def stats(
     if result["count"] == 0:
         raise UserError(f"{path}: no records")
     if json_out:
-        typer.echo(json.dumps(result))
+        typer.echo(json.dumps(result, allow_nan=False))
     else:
         render_table(result, f"stats {path}")
 
@@ -247,7 +247,7 @@ def finetune(
     summary = run_finetune(paths, out, cfg, init=init, objective=objective, num_processes=num_processes,
                            steps=steps, max_steps=max_steps, quiet=quiet)
     if not quiet and summary:
-        typer.echo(json.dumps(summary), err=True)
+        typer.echo(json.dumps(summary, allow_nan=False), err=True)
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -289,7 +289,7 @@ def gather_tapes(
         raise UserError("--json prints to stdout; give -o FILE for the tapes")
     result = run(sources, out, quiet=quiet or json_out)
     if json_out:
-        typer.echo(json.dumps(result))
+        typer.echo(json.dumps(result, allow_nan=False))
 
 
 @app.command()

@@ -210,7 +210,7 @@ def scan_for_append(path: str | Path, check: Callable[[dict, str], object]) -> A
 
 
 def dumps(record: dict) -> str:
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 class JsonlAppender:
@@ -274,7 +274,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:

@@ -205,6 +205,22 @@ class _Unreadable(Exception):
     """The file cannot be read as JSON / JSONL / YAML at all."""
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of float range")
+    return value
+
+
+def _loads(text: str):
+    """JSON without NaN/Infinity: a tape with one is unreadable, like any other bad line."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 _NOT_JSON = object()
 
 
@@ -274,15 +290,17 @@ def _records(path: Path | str, warn: Callable[[str], None]) -> Iterator[Any]:
         if not first:
             return  # empty file
         try:
-            value = json.loads(_decode(first))
-        except json.JSONDecodeError:
+            value = _loads(_decode(first))
+        except ValueError:
             value = _NOT_JSON
         if value is _NOT_JSON or first.lstrip().startswith(b"["):
             # One JSON document over many lines (a list of tapes, a pretty-printed tape).
             try:
-                whole = json.loads(_decode(first + f.read()))
+                whole = _loads(_decode(first + f.read()))
             except json.JSONDecodeError as exc:
                 raise _Unreadable(f"not JSON or JSONL (line {exc.lineno + lineno - 1}: {exc.msg})") from None
+            except ValueError as exc:
+                raise _Unreadable(f"not JSON or JSONL ({exc})") from None
             yield from (whole if isinstance(whole, list) else [whole])
             return
         # JSONL, streamed: a bad line (a writer killed mid-line) loses that line, not the file.
@@ -293,10 +311,11 @@ def _records(path: Path | str, warn: Callable[[str], None]) -> Iterator[Any]:
             if not raw.strip():
                 continue
             try:
-                yield json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                yield _loads(raw.decode("utf-8"))
+            except ValueError as exc:  # JSON, UTF-8 or a non-finite number
                 bad += 1
-                first_bad = first_bad or f"line {lineno}: {getattr(exc, 'msg', None) or exc.reason}"
+                reason = getattr(exc, "msg", None) or getattr(exc, "reason", None) or str(exc)
+                first_bad = first_bad or f"line {lineno}: {reason}"
         if bad:
             warn(f"{path}: skipped {bad} invalid line(s), first at {first_bad}")
     finally:
