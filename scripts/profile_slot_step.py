@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main() -> None:
     import torch
     import transformers
+    from transformers import AttentionInterface
 
     from bench_gpu_sampling import SHAPES
     from gsm8kctl.backends import slots as slot_mod
@@ -61,8 +62,6 @@ def main() -> None:
                 def nothing(module, query, key, value, *args, **kwargs):
                     return query.transpose(1, 2).contiguous(), None
 
-                from transformers import AttentionInterface
-
                 AttentionInterface.register(slot_mod.ATTN_NAME, nothing)
             gen = torch.Generator(device="cuda").manual_seed(1)
             engine.pos.copy_(torch.randint(175, a.max_len - 128, (slots,), device="cuda", generator=gen))
@@ -78,10 +77,9 @@ def main() -> None:
             rows.append({"slots": slots, "what": f"decode step, {variant}", "ms": round(ms, 3),
                          "tokens_per_s": round(slots / ms * 1000), "flash": engine.flash})
             print(rows[-1], file=sys.stderr, flush=True)
-            from transformers import AttentionInterface
-
             AttentionInterface.register(slot_mod.ATTN_NAME, real_attention)
-            del engine
+            engine._graphs.clear()  # free this variant's graphs and cache before the next
+            engine.kv = None
             torch.cuda.empty_cache()
         logits = torch.randn((slots, kw["vocab_size"]), device="cuda", dtype=torch.bfloat16)
         u = torch.rand(slots, device="cuda", dtype=torch.float64)

@@ -32,6 +32,29 @@ class Case:
         return self.id
 
 
+def valid_tape(i: int = 0, *, rewarded: bool = False, **over) -> dict:
+    """A well-formed tape of ours (attempt `i` of train-00000); `over` replaces keys."""
+    t = {
+        "id": f"train-00000-i0000-a{i:02d}-abcdef", "iteration": 0, "split": "train",
+        "problem_id": "train-00000", "attempt": i, "model": "m", "question": "2 + 3?", "gold": "5",
+        "steps": [{"kind": "question", "text": "2 + 3?"}, {"kind": "reasoning", "text": "\\boxed{5}"},
+                  {"kind": "answer", "text": "5"}],
+        "answer": {"strict": "5", "lenient": "5", "format": True, "correct_strict": True,
+                   "correct_lenient": True, "reason": "ok"},
+        "correct": rewarded, "reward": 1.0 if rewarded else 0.0, "finish_reason": "stop",
+        "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "logprobs": [-0.1, -0.2],
+        "n_messages": 2, "created": 1.7e9,
+    }
+    t.update(over)
+    return t
+
+
+def run_case(case: Case, tmp_path: Path, request) -> None:
+    """`check_refused` in a fresh directory; the tiny model is built only for rows that name it."""
+    tiny = request.getfixturevalue("tiny_model_dir") if any("{tiny}" in a for a in case.args) else ""
+    check_refused(case, tmp_path / "case", tiny)
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every path under `root` -> sha256 of its bytes ('dir' for directories)."""
     out: dict[str, str] = {}

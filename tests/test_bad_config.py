@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from badinput import Case, check_refused
+from badinput import Case, run_case
 
 
 def files(contents: dict[str, str]):
@@ -101,9 +101,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_bad_config_is_refused(case, tmp_path, request):
-    # The tiny model only for the rows that name it: the others start no fixture at all.
-    tiny = request.getfixturevalue("tiny_model_dir") if any("{tiny}" in a for a in case.args) else ""
-    check_refused(case, tmp_path / "case", tiny)
+    run_case(case, tmp_path, request)
 
 
 def test_the_table_is_wide():

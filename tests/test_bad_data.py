@@ -14,26 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from badinput import Case, check_refused
+from badinput import Case, run_case, valid_tape
 
 # --------------------------------------------------------------------------------------------
 # Inputs: a valid tape, sample and GSM8k row; `raw` values are written verbatim (NaN, 1e999)
 
 
 def tape(i: int = 0, **over) -> dict:
-    t = {
-        "id": f"train-00000-i0000-a{i:02d}-abcdef", "iteration": 0, "split": "train",
-        "problem_id": "train-00000", "attempt": i, "model": "m", "question": "2 + 3?", "gold": "5",
-        "steps": [{"kind": "question", "text": "2 + 3?"}, {"kind": "reasoning", "text": "\\boxed{5}"},
-                  {"kind": "answer", "text": "5"}],
-        "answer": {"strict": "5", "lenient": "5", "format": True, "correct_strict": True,
-                   "correct_lenient": True, "reason": "ok"},
-        "correct": i == 0, "reward": 1.0 if i == 0 else 0.0, "finish_reason": "stop",
-        "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "logprobs": [-0.1, -0.2],
-        "created": 1.7e9,
-    }
-    t.update(over)
-    return t
+    return valid_tape(i, rewarded=(i == 0), **over)
 
 
 def sample(i: int = 0, **over) -> dict:
@@ -223,9 +211,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_bad_data_is_refused(case, tmp_path, request):
-    # The tiny model only for the rows that name it: the others start no fixture at all.
-    tiny = request.getfixturevalue("tiny_model_dir") if any("{tiny}" in a for a in case.args) else ""
-    check_refused(case, tmp_path / "case", tiny)
+    run_case(case, tmp_path, request)
 
 
 def test_the_table_is_wide():

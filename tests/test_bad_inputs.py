@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import badinput
-from badinput import Case, check_refused
+from badinput import Case, check_refused, valid_tape
 from conftest import GSM8K_DIR, REPO
 
 # --------------------------------------------------------------------------------------------
@@ -36,19 +36,7 @@ from conftest import GSM8K_DIR, REPO
 
 
 def tape(i: int = 0, **over) -> dict:
-    t = {
-        "id": f"train-00000-i0000-a{i:02d}-abcdef", "iteration": 0, "split": "train",
-        "problem_id": "train-00000", "attempt": i, "model": "m", "question": "2 + 3?", "gold": "5",
-        "steps": [{"kind": "question", "text": "2 + 3?"}, {"kind": "reasoning", "text": "\\boxed{5}"},
-                  {"kind": "answer", "text": "5"}],
-        "answer": {"strict": "5", "lenient": "5", "format": True, "correct_strict": True,
-                   "correct_lenient": True, "reason": "ok"},
-        "correct": False, "reward": 0.0, "finish_reason": "stop",
-        "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "logprobs": [-0.1, -0.2],
-        "n_messages": 2, "created": 1.7e9,
-    }
-    t.update(over)
-    return t
+    return valid_tape(i, **over)
 
 
 def sample(i: int = 0) -> dict:
