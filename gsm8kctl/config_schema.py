@@ -210,7 +210,7 @@ class Finetune:
     gradient_accumulation_passes: Count
     token_budget: Count
     seq_length: Count
-    save_checkpoint_steps: Count
+    save_checkpoint_steps: Optional[Count]            # set: also the loop's fixed steps per iteration
     steps: Optional[Count]
     max_steps: Optional[Count]
     epochs: Count
@@ -240,6 +240,10 @@ class Config:
     warmup_sft_steps: NonNegInt
     warmup_sft_problems: NonNegInt                    # >= 1 when used (a rule below)
     report_to: list[Tracker]
+    warn_passes: Optional[PosFloat]
+    warn_test_drop: Optional[NonNegFloat]             # accuracy is a fraction: 0.01 = 1 point
+    warn_ratio: Optional[PosFloat]
+    warn_kl: Optional[NonNegFloat]
     agent: Agent
     sampling: Sampling
     evaluation: Evaluation

@@ -222,7 +222,7 @@ BAD = [
     ("finetune.gradient_accumulation_passes=0", "finetune.gradient_accumulation_passes", ">= 1"),
     ("finetune.token_budget=0", "finetune.token_budget", ">= 1"),
     ("finetune.seq_length=0", "finetune.seq_length", ">= 1"),
-    ("finetune.save_checkpoint_steps=0", "finetune.save_checkpoint_steps", ">= 1"),
+    ("finetune.save_checkpoint_steps=0", "finetune.save_checkpoint_steps", ">= 1 or null"),
     ("finetune.steps=0", "finetune.steps", ">= 1 or null"),
     ("finetune.max_steps=0", "finetune.max_steps", ">= 1 or null"),
     ("finetune.epochs=0", "finetune.epochs", ">= 1"),
@@ -240,6 +240,10 @@ BAD = [
     ("finetune.rl.implicit_kl_coef=-1", "finetune.rl.implicit_kl_coef", ">= 0"),
     ("finetune.rl.implicit_kl_estimator=k2", "finetune.rl.implicit_kl_estimator", "one of k1, k3"),
     ("finetune.rl.epsilon=0", "finetune.rl.epsilon", "> 0"),
+    ("warn_passes=0", "warn_passes", "> 0 or null"),
+    ("warn_test_drop=-0.01", "warn_test_drop", ">= 0 or null"),
+    ("warn_ratio=0", "warn_ratio", "> 0 or null"),
+    ("warn_kl=-1", "warn_kl", ">= 0 or null"),
 ]
 
 

@@ -15,7 +15,7 @@ from conftest import REPO, run_cli
 from gsm8kctl.jsonl import read_jsonl
 from gsm8kctl.llm_calls import open_readonly
 from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
-from gsm8kctl.stages.loop import next_problems
+from gsm8kctl.stages.loop import iteration_steps, iteration_warnings, next_problems
 
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
             "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",
@@ -50,6 +50,7 @@ def reference_run(tiny_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     proc = subprocess.run(_cmd(tiny_model_dir, run_dir), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir.parent / "stderr.txt").write_text(proc.stderr)
     return run_dir
 
 
@@ -71,6 +72,127 @@ def test_loop_layout_and_metrics(reference_run):
     summary = _summary(run)
     assert summary["steps"] == [1, 2] and summary["state"]["phase"] == "done"
     assert summary["calls"] == (8 + 3 + 3, 8 + 3 + 3)  # train attempts + two evaluations
+    # save_checkpoint_steps=2 set: the old fixed count per iteration, 2 steps of 2 on 8 samples.
+    assert (first["train_steps"], first["train_passes"], first["train_steps_mode"]) == (2, 0.5, "fixed")
+    assert first["train_ratio_max"] is not None and first["train_kl_max"] is None  # no reference model
+    assert [r["warnings"] for r in rows] == [[], []]
+    stderr = (run.parent / "stderr.txt").read_text()
+    assert "iteration 0: 2 optimizer steps of 2 samples on 8 samples = 0.5 passes " \
+           "(finetune.save_checkpoint_steps=2)" in stderr
+    # The summary (the last lines) names the best evaluated model.
+    best = json.loads((run / "state.json").read_text())["best"]
+    tail = stderr[stderr.rindex("done. metrics:"):]
+    assert "warning" not in tail
+    assert f"best:    {best['checkpoint'] or 'the starting model'}" in tail
+
+
+def _loop_without(tiny_model_dir: str, run_dir: Path, *extra: str, drop=()) -> subprocess.CompletedProcess:
+    """TINY_RUN without the `drop` overrides, plus `extra`; no evaluation (not needed, and slow)."""
+    args = [a for a in TINY_RUN if not a.startswith(tuple(drop))]
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run_dir), *args,
+                   "test_every_n_iterations=0", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_steps_per_iteration_follow_the_data_and_too_many_passes_warn(tiny_model_dir, tmp_path):
+    """save_checkpoint_steps unset: `epochs` passes over the iteration's samples, each pass 10 samples at
+    2 x 2 per step = 3 steps. Five passes is more than warn_passes=4: a warning on stderr and in metrics."""
+    run = tmp_path / "run"
+    proc = _loop_without(tiny_model_dir, run, "max_agent_forks=10", "finetune.train_batch_size=2",
+                         "finetune.gradient_accumulation_passes=2", "finetune.epochs=5",
+                         drop=("finetune.save_checkpoint_steps", "max_agent_forks"))
+    row = list(read_jsonl(run / "metrics.jsonl"))[0]
+    assert row["samples_kept"] == 10
+    assert (row["train_steps"], row["train_passes"], row["train_steps_mode"]) == (15, 5.0, "data")
+    assert [r["step"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == list(range(1, 16))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000015"
+    from gsm8kctl.stages.finetune import list_checkpoints
+
+    assert [s for s, _ in list_checkpoints(run)] == [15]  # save_checkpoint_steps null: saved at the end only
+    assert "iteration 0: 15 optimizer steps of 4 samples on 10 samples = 5 passes (finetune.epochs=5)" in proc.stderr
+    assert len(row["warnings"]) == 1
+    assert row["warnings"][0].startswith("trained 5 passes over its 10 samples (15 steps, > warn_passes=4)")
+    assert "lower finetune.epochs" in row["warnings"][0]
+    assert f"warning: iteration 0: {row['warnings'][0]}" in proc.stderr
+    assert "warnings: at iteration(s) 0;" in proc.stderr[proc.stderr.rindex("done. metrics:"):]
+
+
+def _ft(*overrides: str) -> dict:
+    from gsm8kctl.config import load_config
+
+    return load_config(None, list(overrides))["finetune"]
+
+
+def test_iteration_steps_follow_the_data_unless_a_count_is_set():
+    ft = _ft("finetune.train_batch_size=2", "finetune.gradient_accumulation_passes=2")
+    assert ft["save_checkpoint_steps"] is None and ft["steps"] is None  # the defaults: sized by the data
+    assert [iteration_steps(n, ft)["steps"] for n in (0, 1, 4, 5, 10)] == [0, 1, 1, 2, 3]
+    assert iteration_steps(10, ft)["passes"] == 1.0 and iteration_steps(10, ft)["mode"] == "data"
+    assert iteration_steps(10, {**ft, "epochs": 2})["steps"] == 6
+    assert iteration_steps(10, {**ft, "num_processes": 2})["steps"] == 2  # 8 samples per step
+    # The issue: save_checkpoint_steps=8 at 64 per step on 16 successes = 8 passes.
+    fixed = _ft("finetune.save_checkpoint_steps=8", "finetune.train_batch_size=64")
+    assert iteration_steps(16, fixed) == {"steps": 8, "passes": 8.0, "mode": "fixed", "global_batch": 64,
+                                          "why": "finetune.save_checkpoint_steps=8"}
+    assert iteration_steps(0, fixed)["steps"] == 0  # nothing to train on: no step
+    assert iteration_steps(16, {**fixed, "steps": 3})["steps"] == 3  # finetune.steps wins
+    # configs/original.yaml (the TapeAgents command line) keeps its fixed 8 steps per iteration.
+    from gsm8kctl.config import load_config
+
+    original = load_config(str(REPO / "configs" / "original.yaml"), [])["finetune"]
+    assert iteration_steps(1000, original)["steps"] == 8 and iteration_steps(3, original)["steps"] == 8
+
+
+GUARDS = {"warn_passes": 4.0, "warn_test_drop": 0.01, "warn_ratio": 5.0, "warn_kl": 1.0}
+
+
+@pytest.mark.parametrize("before, now, fires", [(0.0349, 0.0200, True), (0.0349, 0.0258, False),
+                                                (0.05, 0.04, False), (0.05, 0.0399, True), (0.02, 0.05, False)])
+def test_guard_on_a_test_accuracy_drop(before, now, fires):
+    earlier = [{"iteration": 0, "test_accuracy_strict": 0.9}, {"iteration": 2, "test_accuracy_strict": before},
+               {"iteration": 3}]  # not evaluated: the drop is measured from iteration 2
+    out = iteration_warnings({"iteration": 4, "test_accuracy_strict": now}, earlier, GUARDS)
+    assert len(out) == fires
+    if fires:
+        assert out[0].startswith(f"test strict accuracy fell {(before - now) * 100:.2f} points, {before:.2%} at "
+                                 "iteration 2")
+
+
+def test_guard_on_passes_ratio_and_kl():
+    row = {"iteration": 1, "samples_kept": 16, "train_steps": 8, "train_passes": 8.0, "train_steps_mode": "fixed",
+           "train_ratio_max": 47.0, "train_kl_max": 1.5}
+    out = iteration_warnings(row, [], GUARDS)
+    assert len(out) == 3
+    assert out[0].startswith("trained 8 passes over its 16 samples (8 steps, > warn_passes=4)")
+    assert "finetune.save_checkpoint_steps" in out[0]
+    assert "ratio reached 47 (> warn_ratio=5)" in out[1] and "KL to the reference reached 1.5 (> warn_kl=1)" in out[2]
+    calm = {**row, "train_passes": 4.0, "train_ratio_max": 1.2, "train_kl_max": None}
+    assert iteration_warnings(calm, [], GUARDS) == []
+    assert iteration_warnings(row, [], dict.fromkeys(GUARDS)) == []  # null: off
+
+
+def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, capsys):
+    from gsm8kctl.config import load_config
+    from gsm8kctl.stages.finetune import KEEP_MARKER, _prune, list_checkpoints
+    from gsm8kctl.stages.loop import _Context, load_state
+
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        d = run / "checkpoints" / f"step-{step:06d}"
+        (d / "training_state").mkdir(parents=True)
+        (d / "training_state" / "state.json").write_text(json.dumps({"step": step}))
+        (d / "config.json").write_text("{}")
+    ckpt = lambda step: run / "checkpoints" / f"step-{step:06d}"  # noqa: E731
+    ctx = _Context(load_config(None, []), run, load_state(run), "base", 10, quiet=False)
+    ctx._mark_best(0, 0.02, ckpt(1))
+    ctx._mark_best(1, 0.01, ckpt(2))  # worse: the best stays
+    _prune(run, keep=1, current=ckpt(3))
+    assert [d.name for _, d in list_checkpoints(run)] == ["step-000001", "step-000003"]
+    ctx._summary()
+    assert f"best:    {ckpt(1)} (test strict 2.00% at iteration 0; kept from pruning" in capsys.readouterr().err
+    ctx._mark_best(2, 0.03, ckpt(3))  # a new best takes the marker over
+    assert not (ckpt(1) / KEEP_MARKER).exists() and (ckpt(3) / KEEP_MARKER).exists()
 
 
 def test_problem_order_is_seeded_and_continues():

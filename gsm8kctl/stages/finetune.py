@@ -14,8 +14,10 @@ Layout under OUT (the run directory; the loop passes `runs/NAME`):
     OUT/finetune/dataset_stats.jsonl  one line per data phase: statistics of its samples
 
 A checkpoint is written to a hidden temp directory and renamed, then `latest` is rewritten: a
-kill at any moment leaves the previous checkpoint intact. The last `finetune.keep_checkpoints`
-are kept, plus any directory holding a file named `keep` (the loop marks its best this way).
+kill at any moment leaves the previous checkpoint intact. Saves come every
+`finetune.save_checkpoint_steps` steps (null: only at the end of the phase). The last
+`finetune.keep_checkpoints` are kept, plus any directory holding a file named `keep` (the loop
+marks its best this way).
 
 Where training starts: the latest checkpoint in OUT (weights *and* training state), else
 `--init` (weights only), else the config's base model. A newer checkpoint in OUT always wins
@@ -162,6 +164,16 @@ def fingerprint(samples: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
+def global_batch_size(ft: dict, world: int) -> int:
+    """Samples per optimizer step: train_batch_size × gradient_accumulation_passes × processes."""
+    return int(ft["train_batch_size"]) * int(ft["gradient_accumulation_passes"]) * world
+
+
+def steps_per_epoch(n_samples: int, global_batch: int) -> int:
+    """Optimizer steps of one pass over n samples (the last step takes the remainder)."""
+    return math.ceil(n_samples / global_batch)
+
+
 def step_batches(n: int, global_batch: int, seed: int, fp: str, epoch: int) -> list[list[int]]:
     """Sample indices of each optimizer step of one epoch (the last step may be smaller)."""
     order = list(range(n))
@@ -251,9 +263,12 @@ def _check_out(out_dir: Path, samples_paths: Sequence[str], cfg: dict) -> None:
 
 def _check_finetune_config(ft: dict) -> None:
     for key in ("train_batch_size", "gradient_accumulation_passes", "token_budget", "seq_length",
-                "save_checkpoint_steps", "logprob_chunk_tokens", "num_processes", "epochs"):
+                "logprob_chunk_tokens", "num_processes", "epochs"):
         if not isinstance(ft[key], int) or ft[key] < 1:
             raise UserError(f"finetune.{key} must be a positive integer, got {ft[key]!r}")
+    every = ft["save_checkpoint_steps"]
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise UserError(f"finetune.save_checkpoint_steps must be null or a positive integer, got {every!r}")
     for key in ("steps", "max_steps"):
         if ft[key] is not None and (not isinstance(ft[key], int) or ft[key] < 0):
             raise UserError(f"finetune.{key} must be null or a non-negative integer, got {ft[key]!r}")
@@ -501,7 +516,7 @@ def train(samples: list[dict], out_dir: Path, cfg: dict, *, start: str, resume: 
     # ----------------------------------------------------------------------------------------
     # Training state: step, data phase and position (optimizer and RNG once the model exists)
     fp = fingerprint(samples)
-    global_batch = int(ft["train_batch_size"]) * int(ft["gradient_accumulation_passes"]) * world
+    global_batch = global_batch_size(ft, world)
     step, phase_start, state = 0, 0, None
     sdir = Path(start) / STATE_DIR
     if resume:
@@ -512,8 +527,8 @@ def train(samples: list[dict], out_dir: Path, cfg: dict, *, start: str, resume: 
         if same_phase and state.get("global_batch") != global_batch and not quiet:
             _say(f"warning: global batch changed ({state.get('global_batch')} -> {global_batch}); "
                  "the data position is kept in steps, not samples")
-    steps_per_epoch = math.ceil(len(samples) / global_batch)
-    phase_steps = int(ft["steps"]) if ft["steps"] is not None else int(ft["epochs"]) * steps_per_epoch
+    per_epoch = steps_per_epoch(len(samples), global_batch)
+    phase_steps = int(ft["steps"]) if ft["steps"] is not None else int(ft["epochs"]) * per_epoch
     target = phase_start + phase_steps
     if ft["max_steps"] is not None:
         target = min(target, int(ft["max_steps"]))
@@ -596,7 +611,7 @@ def train(samples: list[dict], out_dir: Path, cfg: dict, *, start: str, resume: 
     # The loop: one optimizer step per iteration
     while step < target:
         t0 = time.perf_counter()
-        epoch, pos = divmod(step - phase_start, steps_per_epoch)
+        epoch, pos = divmod(step - phase_start, per_epoch)
         step_idx = step_batches(len(samples), global_batch, int(cfg["seed"]), fp, epoch)[pos]
         mbs = micro_batches(step_idx, lengths, rank, world, int(ft["token_budget"]), int(ft["train_batch_size"]))
         dummy = not mbs  # fewer samples than processes: run one zero-weight pass to join the all-reduce
@@ -682,7 +697,8 @@ def train(samples: list[dict], out_dir: Path, cfg: dict, *, start: str, resume: 
                  f"{last['tokens_per_s']:.0f} tok/s")
 
         # ---- save
-        if step % int(ft["save_checkpoint_steps"]) == 0 or step == target:
+        every = ft["save_checkpoint_steps"]
+        if (every and step % int(every) == 0) or step == target:
             _save(accelerator, model, optimizer, tokenizer, cfg, out_dir, step=step,
                   phase={"fingerprint": fp, "start_step": phase_start, "n_samples": len(samples),
                          "sources": list(source)},

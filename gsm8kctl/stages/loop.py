@@ -134,6 +134,84 @@ def next_problems(cursor: int, k: int, n_train: int, seed: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# What an iteration trains, and the warnings about it
+
+
+def iteration_steps(n_samples: int, ft: dict) -> dict:
+    """Optimizer steps of one iteration's finetune, and how many passes over its samples they make.
+
+    `finetune.steps` if set, else `save_checkpoint_steps` if set (the TapeAgents command line: a
+    fixed count whatever the data), else `epochs` passes. A fixed count on a few samples repeats
+    them: in issue 11, 8 steps per iteration on 16-35 successes drove the new/old ratio to 47 and
+    test accuracy down.
+    """
+    from gsm8kctl.stages.finetune import global_batch_size, steps_per_epoch
+
+    batch = global_batch_size(ft, int(ft["num_processes"]))
+    if ft["steps"] is not None:
+        steps, mode, why = int(ft["steps"]), "fixed", f"finetune.steps={ft['steps']}"
+    elif ft["save_checkpoint_steps"] is not None:
+        steps, mode = int(ft["save_checkpoint_steps"]), "fixed"
+        why = f"finetune.save_checkpoint_steps={steps}"
+    else:
+        steps, mode, why = None, "data", f"finetune.epochs={ft['epochs']}"
+    if n_samples == 0:
+        return {"steps": 0, "passes": 0.0, "mode": mode, "why": why, "global_batch": batch}
+    per_pass = steps_per_epoch(n_samples, batch)
+    if steps is None:
+        steps = int(ft["epochs"]) * per_pass
+    # finetune's passes: a pass is ceil(n / batch) steps, its last step the remainder.
+    return {"steps": steps, "passes": round(steps / per_pass, 3), "mode": mode, "why": why, "global_batch": batch}
+
+
+def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
+    """The guard: what in this metrics.jsonl line (and the evaluation before it) a user should see."""
+    out = []
+    limit = cfg["warn_passes"]
+    if limit is not None and row.get("train_passes", 0) > limit:
+        remedy = ("set finetune.save_checkpoint_steps and finetune.steps to null (one pass per iteration)"
+                  if row.get("train_steps_mode") == "fixed" else "lower finetune.epochs")
+        out.append(f"trained {row['train_passes']:g} passes over its {row['samples_kept']} samples "
+                   f"({row['train_steps']} steps, > warn_passes={limit:g}): so many repeats overfit them; "
+                   f"{remedy}, or sample more problems (max_agent_forks)")
+    drop, now = cfg["warn_test_drop"], row.get("test_accuracy_strict")
+    before = [r for r in earlier if r["iteration"] < row["iteration"] and r.get("test_accuracy_strict") is not None]
+    if drop is not None and now is not None and before:
+        prev = max(before, key=lambda r: r["iteration"])
+        # Rounded: accuracies carry 4 decimals, and 0.05 - 0.04 is 0.010000000000000002.
+        fall = round(prev["test_accuracy_strict"] - now, 6)
+        if fall > drop:
+            out.append(f"test strict accuracy fell {fall * 100:.2f} points, {prev['test_accuracy_strict']:.2%} "
+                       f"at iteration {prev['iteration']} -> {now:.2%} (> warn_test_drop={drop:g})")
+    for key, label, limit_key in (("train_ratio_max", "new/old probability ratio", "warn_ratio"),
+                                  ("train_kl_max", "KL to the reference", "warn_kl")):
+        value, limit = row.get(key), cfg[limit_key]
+        if value is not None and limit is not None and value > limit:
+            out.append(f"a finetune step's mean {label} reached {value:.3g} (> {limit_key}={limit:g}): the "
+                       "policy moved far from the model that sampled; lower finetune.learning_rate or the "
+                       "steps per iteration")
+    return out
+
+
+def _finetune_extremes(run_dir: Path, samples_path: Path) -> dict:
+    """Largest mean ratio and KL over the finetune steps that trained on this samples file."""
+    from gsm8kctl.stages.finetune import FINETUNE_DIR, fingerprint
+    from gsm8kctl.stages.finetune import METRICS_FILE as FINETUNE_METRICS
+
+    path = run_dir / FINETUNE_DIR / FINETUNE_METRICS
+    samples = list(read_jsonl(samples_path)) if samples_path.exists() else []
+    out = {"train_ratio_max": None, "train_kl_max": None}
+    if not samples or not path.exists():
+        return out
+    fp = fingerprint(samples)  # finetune tags each step's line with its samples' fingerprint
+    lines = [r for r in read_jsonl(path, repair_tail=True) if r.get("phase") == fp]
+    for key, src in (("train_ratio_max", "ratio_mean"), ("train_kl_max", "kl")):
+        values = [r[src] for r in lines if r.get(src) is not None]
+        out[key] = round(max(values), 4) if values else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -282,6 +360,10 @@ class _Context:
         if self.cfg["eval_limit"] is not None:
             args += ["--limit", str(self.cfg["eval_limit"])]
         self._sampling_stage(model, *args)
+        # Marked now, not at record: this iteration's finetune prunes, and with keep_checkpoints=1
+        # it would delete the checkpoint just evaluated before record could keep it.
+        m = json.loads((self.eval_dir(it) / METRICS_FILE).read_text(encoding="utf-8"))
+        self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
 
     def _sample(self, it: int) -> None:
         st = self.state
@@ -303,12 +385,15 @@ class _Context:
 
     def _finetune(self, it: int) -> None:
         samples = self.it_dir(it) / SAMPLES_FILE
-        if not any(True for _ in read_jsonl(samples)):
-            say(f"iteration {it}: no training samples (no attempt earned a reward); the model is unchanged",
-                self.quiet)
+        n = sum(1 for _ in read_jsonl(samples))
+        if not n:
+            say(f"iteration {it}: no training samples (no attempt earned a reward); trains nothing, the model "
+                "is unchanged", self.quiet)
             return
-        self._stage("finetune", str(samples), "--out", str(self.run_dir),
-                    "--steps", str(self.cfg["finetune"]["save_checkpoint_steps"]))
+        plan = iteration_steps(n, self.cfg["finetune"])
+        say(f"iteration {it}: {plan['steps']} optimizer steps of {plan['global_batch']} samples on {n} samples = "
+            f"{plan['passes']:g} pass{'' if plan['passes'] == 1 else 'es'} ({plan['why']})", self.quiet)
+        self._stage("finetune", str(samples), "--out", str(self.run_dir), "--steps", str(plan["steps"]))
 
     def _record(self, it: int) -> None:
         row: dict = {"iteration": it, "model": self.current_model()}
@@ -328,6 +413,9 @@ class _Context:
                 "samples_kept": sum(1 for _ in read_jsonl(samples_path)) if samples_path.exists() else 0,
                 "uniform_groups": _uniform_groups(tapes),
             })
+            plan = iteration_steps(row["samples_kept"], self.cfg["finetune"])
+            row.update(train_steps=plan["steps"], train_passes=plan["passes"], train_steps_mode=plan["mode"],
+                       **_finetune_extremes(self.run_dir, samples_path))
             secs = self.state["timings"].get(str(it), {}).get("sample")
             if secs:
                 row["sample_tokens_per_s"] = round(sum(len(t["completion_token_ids"]) for t in tapes) / secs, 1)
@@ -336,10 +424,12 @@ class _Context:
             m = json.loads(ev.read_text(encoding="utf-8"))
             row.update(test_accuracy_strict=m["accuracy_strict"], test_accuracy_lenient=m["accuracy_lenient"],
                        test_format_rate=m["format_rate"], test_n=m["n"])
-            self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
         row["seconds"] = self.state["timings"].get(str(it), {})
         path = self.run_dir / RUN_METRICS_FILE
         rows = [r for r in read_jsonl(path) if r["iteration"] != it] if path.exists() else []
+        row["warnings"] = iteration_warnings(row, rows, self.cfg)
+        for w in row["warnings"]:
+            say(f"warning: iteration {it}: {w}", self.quiet)
         write_jsonl(path, rows + [row])  # atomic rewrite: a rerun of this phase never duplicates a line
         plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
         _report_to(self.cfg["report_to"], row, self.run_dir, self.quiet)
@@ -374,9 +464,23 @@ class _Context:
         if self.quiet:
             return
         r = self.run_dir
-        say(f"done. metrics: {r / RUN_METRICS_FILE}\n      curve:   {r / CURVE_FILE}\n"
-            f"      tapes:   {r / 'iterations'}/*/{TAPES_FILE}, {r / 'eval'}/*/{TAPES_FILE}\n"
-            f"      browse:  gsm8kctl browse {r}")
+        lines = [f"done. metrics: {r / RUN_METRICS_FILE}", f"      curve:   {r / CURVE_FILE}",
+                 f"      tapes:   {r / 'iterations'}/*/{TAPES_FILE}, {r / 'eval'}/*/{TAPES_FILE}",
+                 f"      browse:  gsm8kctl browse {r}"]
+        best = self.state.get("best")
+        if best:
+            acc = f"test strict {best['accuracy_strict']:.2%} at iteration {best['iteration']}"
+            if best["checkpoint"]:
+                lines.append(f"      best:    {best['checkpoint']} ({acc}; kept from pruning by its `keep` file)")
+            else:
+                lines.append(f"      best:    the starting model {self.cfg['model']} ({acc}; no checkpoint of "
+                             "this run beat it)")
+        path = r / RUN_METRICS_FILE
+        warned = [row["iteration"] for row in read_jsonl(path) if row.get("warnings")] if path.exists() else []
+        if warned:
+            lines.append(f"      warnings: at iteration(s) {', '.join(map(str, warned))}; the `warnings` "
+                         f"of {path} say what")
+        say("\n".join(lines))
 
 
 def _uniform_groups(tapes: list[dict]) -> int:
