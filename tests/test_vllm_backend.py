@@ -98,15 +98,17 @@ def test_seeds(backend, prompts):
 
 
 def test_many_seeded_prompts(backend):
-    """128 seeded requests whose prompts exceed vLLM's default 2048-token step budget: on CPU,
-    chunked prefill of a seeded request used to kill the engine (see CPU_ENGINE_ARGS)."""
+    """32 seeded requests whose prompts together exceed vLLM's default 2048-token step budget: on
+    CPU, chunked prefill of a seeded request used to kill the engine (see CPU_ENGINE_ARGS). Not
+    more: without chunking one step prefills them all, and on a busy 2-core machine a 128-request
+    step (~14k tokens) outlasted vLLM's 300 s execute_model timeout, which kills the engine."""
     from gsm8kctl.data import load_problems
 
-    problems = load_problems("test")[:32]
+    problems = load_problems("test")[:8]
     ps = [render_prompt(backend.tokenizer, agent.build_messages(p["question"]))[1] for p in problems]
-    assert sum(len(p) for p in ps) * 4 > 2048
+    assert sum(len(p) for p in ps) * 4 > 1.5 * 2048
     out = backend.generate(ps, SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=3))
-    assert [len(c) for c in out] == [4] * 32 and all(len(c.token_ids) == 4 for cs in out for c in cs)
+    assert [len(c) for c in out] == [4] * 8 and all(len(c.token_ids) == 4 for cs in out for c in cs)
 
 
 def test_score_matches_sampler_and_is_chunked(backend, prompts):
