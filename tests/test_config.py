@@ -131,7 +131,7 @@ def test_every_yaml_key_is_commented_or_self_explanatory():
 
 def test_new_sampler_keys():
     s = default_config()["sampling"]
-    assert s["max_slots"] is None and s["kv_memory_fraction"] == 0.3 and s["prefill_token_budget"] == 8192
+    assert s["max_slots"] is None and s["kv_memory_fraction"] == 0.3 and s["prefill_token_budget"] == 32768
     assert load_config(None, ["sampling.max_slots=256"])["sampling"]["max_slots"] == 256
 
 
