@@ -155,6 +155,7 @@ class Evaluation:
 @dataclass(frozen=True)
 class Transformers:
     static_cache: AutoBool
+    dtype: Literal["auto", "float32", "bfloat16"]
 
 
 @dataclass(frozen=True)

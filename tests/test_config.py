@@ -193,6 +193,7 @@ BAD = [
     ("evaluation.batch_size=0", "evaluation.batch_size", ">= 1"),
     ("transformers.static_cache=sometimes", "transformers.static_cache", "one of auto, true, false"),
     ("transformers.static_cache=1", "transformers.static_cache", "one of auto, true, false, got 1"),
+    ("transformers.dtype=fp16", "transformers.dtype", "one of auto, float32, bfloat16"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb", ">= 1"),
     ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization", "in (0, 1]"),
     ("vllm.gpu_memory_utilization=1.2", "vllm.gpu_memory_utilization", "in (0, 1]"),

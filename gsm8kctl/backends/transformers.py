@@ -44,6 +44,9 @@ class TransformersBackend:
         self.model = model
         self.device = device or pick_device()
         self.tokenizer = load_tokenizer(model)
+        # bf16 logits depend on the batch a row shares (kernel blocking); float32 ones do not,
+        # on the CPU: then a seed gives the same tokens whatever the batching (a resumed run).
+        dtype = dtype if dtype != "auto" else cfg["transformers"]["dtype"]
         self.model_obj = AutoModelForCausalLM.from_pretrained(model, dtype=pick_dtype(self.device, dtype))
         self.model_obj.to(self.device).eval()
         s = cfg["sampling"]
