@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from gsm8kctl.backends.base import SamplingParams
+from gsm8kctl.backends.base import SamplingParams, completion_seeds
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.backends.slots import Request, SlotEngine, buckets_for, plan_slots
 from gsm8kctl.backends.transformers import TransformersBackend
@@ -76,8 +76,6 @@ def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, promp
     engine = SlotEngine(dynamic.model_obj, slots=5, max_len=64, stop_ids=stops, pad_id=dynamic.pad_id,
                         prefill_token_budget=16, window=3)
     rows = [p for p in prompts for _ in range(2)]
-    from gsm8kctl.backends.base import completion_seeds
-
     seeds = completion_seeds(params, len(rows))
     done = {f.index: f for f in engine.run([Request(k, rows[k], seeds[k]) for k in range(len(rows))],
                                            temperature=1.0, top_p=1.0, max_tokens=20)}

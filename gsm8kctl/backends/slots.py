@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -214,22 +215,18 @@ class SlotEngine:
                       "slot_steps_busy": 0, "slot_steps_run": 0}
 
     # ------------------------------------------------------------------ model calls
+    @contextmanager
     def _attn(self):
         """Route the model's attention to the slot cache for the duration of one forward."""
-        engine = self
-
-        class _Route:
-            def __enter__(self):
-                self.saved = engine.model.config._attn_implementation
-                engine.model.config._attn_implementation = ATTN_NAME
-                _FWD.kv, _FWD.mask, _FWD.flash = engine.kv, engine.mask, engine.flash
-                _FWD.cu_q, _FWD.cu_k = engine.cu_q, engine.cu_k
-
-            def __exit__(self, *exc):
-                engine.model.config._attn_implementation = self.saved
-                _FWD.prefill_rows = None
-
-        return _Route()
+        saved = self.model.config._attn_implementation
+        self.model.config._attn_implementation = ATTN_NAME
+        _FWD.kv, _FWD.mask, _FWD.flash = self.kv, self.mask, self.flash
+        _FWD.cu_q, _FWD.cu_k = self.cu_q, self.cu_k
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = saved
+            _FWD.prefill_rows = None
 
     def _logp(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)

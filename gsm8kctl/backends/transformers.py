@@ -3,8 +3,9 @@
 Sampling is our own decode loop rather than `model.generate`: we need each chosen token's
 log-prob under the raw model distribution (what vLLM calls raw logprobs, and what `score()`
 and the trainer compute), and `generate(output_logits=True)` would keep batch x steps x vocab
-logits in memory (12.9 GB for 128 x 512 x 49k in fp32). Finished rows are dropped from the
-batch and the KV cache as they end, so short answers do not wait for the longest one.
+logits in memory (12.9 GB for 128 x 512 x 49k in fp32). Two decode paths, same tokens for the
+same seeds (backends/sampling.py): on the CPU a dynamic cache whose finished rows leave the
+batch; on CUDA the slot engine (backends/slots.py: continuous batching, CUDA-graphed step).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class TransformersBackend:
                       ) -> Iterator[tuple[int, int, Completion]]:
         """(prompt index, sample index, completion) for every completion, as each finishes."""
         rows = [list(p) for p in prompts for _ in range(params.n)]
+        if not rows:
+            return
         longest = max((len(r) for r in rows), default=0)
         if self.context and longest + params.max_tokens > self.context:
             raise UserError(f"a prompt of {longest} tokens + max_tokens {params.max_tokens} exceeds the model's "
