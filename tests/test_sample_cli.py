@@ -67,7 +67,7 @@ def test_sigkill_then_resume_no_duplicates_no_losses(tiny_model_dir, tmp_path):
     out = tmp_path / "tapes.jsonl"
     cmd = [sys.executable, "-m", "gsm8kctl", "sample", "--model", tiny_model_dir, "--backend", "transformers",
            "-o", str(out), "--n-problems", "40", "--attempts", "2", "--max-tokens", "48", "-q",
-           "sampling.batch_size=2", "transformers.dtype=float32"]
+           "sampling.batch_size=1", "transformers.dtype=float32"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ.copy(), stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -88,7 +88,9 @@ def test_sigkill_then_resume_no_duplicates_no_losses(tiny_model_dir, tmp_path):
     assert conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0] == 80
     assert conn.execute("SELECT count(DISTINCT tape_id) FROM llm_calls").fetchone()[0] == 80
     # Bit-identical to a run never killed: each attempt's seed comes from its tape id, not from
-    # which batch it landed in after the restart (float32: bf16 logits depend on the batch).
+    # its place in the calls after the restart. Rows are decoded one at a time in float32, so the
+    # logits do not depend on which rows share a batch: a batch's padding width changes the
+    # order of the attention sums, and a near-tie then flips (seen once in CI with batch 2).
     whole = tmp_path / "whole" / "tapes.jsonl"
     assert subprocess.run([*cmd[:cmd.index("-o") + 1], str(whole), *cmd[cmd.index("-o") + 2:]], cwd=REPO,
                           capture_output=True, timeout=600).returncode == 0
