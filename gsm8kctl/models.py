@@ -29,10 +29,11 @@ def resolve_model(name: str) -> str:
         return str(_embedded_dir(name))
     p = Path(name).expanduser()
     if p.exists():
-        latest = p / "checkpoints" / "latest"
-        if not (p / "config.json").exists() and latest.exists():
+        from gsm8kctl.rundir import latest_checkpoint, run_dir_of
+
+        if run_dir_of(p) is not None:
             # A run directory (loop / finetune --out) stands for its newest checkpoint.
-            p = p / "checkpoints" / latest.read_text(encoding="utf-8").strip()
+            p = latest_checkpoint(p) or p
         if not (p / "config.json").exists():
             raise UserError(f"{p}: not a Hugging Face model directory (no config.json)")
         return str(p.resolve())

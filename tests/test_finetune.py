@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gsm8kctl.config import load_config
+from gsm8kctl import rundir
 from gsm8kctl.errors import UserError
 from gsm8kctl.stages import finetune as ft
 
@@ -146,7 +147,7 @@ def test_finetune_lowers_nll_of_its_own_samples(tiny_model_dir, tmp_path, capsys
     out = tmp_path / "run"
     result = ft.run_finetune([path], str(out), cfg, init=tiny_model_dir, objective="sft")
     assert result["step"] == 6 and result["steps_run"] == 6
-    ckpt = ft.latest_checkpoint(out)
+    ckpt = rundir.latest_checkpoint(out)
     assert ckpt == out / "checkpoints" / "step-000006" and (out / "checkpoints" / "latest").read_text().strip() == ckpt.name
     after = _nll(str(ckpt), samples)
     assert after < before - 0.5, (before, after)
@@ -195,7 +196,7 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
     assert a[0]["kl"] > 0 and a[0]["clip_frac"] is not None and a[0]["ratio_mean"] > 0
     assert a[0]["drift_old_new"] > 0
     # keep the last 2 checkpoints (plus one marked `keep`)
-    assert [p.name for _, p in ft.list_checkpoints(split)] == ["step-000003", "step-000004"]
+    assert [p.name for _, p in rundir.list_checkpoints(split)] == ["step-000003", "step-000004"]
 
 
 def test_new_samples_start_a_new_phase_and_latest_beats_init(tiny_model_dir, tmp_path, capsys):
@@ -213,10 +214,10 @@ def test_new_samples_start_a_new_phase_and_latest_beats_init(tiny_model_dir, tmp
     # max_steps caps the global step
     r = ft.run_finetune([_write(tmp_path / "c.jsonl", _samples(seed=3))], str(out), cfg, quiet=True, max_steps=5)
     assert r["step"] == 5
-    assert {p.name for _, p in ft.list_checkpoints(out)} == {"step-000002", "step-000004", "step-000005"}
+    assert {p.name for _, p in rundir.list_checkpoints(out)} == {"step-000002", "step-000004", "step-000005"}
     # a broken `latest` pointer falls back to the highest complete checkpoint
     (out / "checkpoints" / "latest").write_text("step-000999\n")
-    assert ft.latest_checkpoint(out).name == "step-000005"
+    assert rundir.latest_checkpoint(out).name == "step-000005"
 
 
 def test_killed_process_resumes(tiny_model_dir, tmp_path):
@@ -230,11 +231,11 @@ def test_killed_process_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-c", script, str(out)])
     deadline = time.time() + 120
-    while ft.latest_checkpoint(out) is None and time.time() < deadline and proc.poll() is None:
+    while rundir.latest_checkpoint(out) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before = ft.checkpoint_step(ft.latest_checkpoint(out))
+    done_before = rundir.checkpoint_step(rundir.latest_checkpoint(out))
     assert done_before < 8
     subprocess.run([sys.executable, "-c", script, str(out)], check=True, timeout=300)
     ref = tmp_path / "ref"

@@ -107,7 +107,7 @@ def test_steps_per_iteration_follow_the_data_and_too_many_passes_warn(tiny_model
     assert (row["train_steps"], row["train_passes"], row["train_steps_mode"]) == (15, 5.0, "data")
     assert [r["step"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == list(range(1, 16))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000015"
-    from gsm8kctl.stages.finetune import list_checkpoints
+    from gsm8kctl.rundir import list_checkpoints
 
     assert [s for s, _ in list_checkpoints(run)] == [15]  # save_checkpoint_steps null: saved at the end only
     assert "iteration 0: 15 optimizer steps of 4 samples on 10 samples = 5 passes (finetune.epochs=5)" in proc.stderr
@@ -174,8 +174,9 @@ def test_guard_on_passes_ratio_and_kl():
 
 def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, capsys):
     from gsm8kctl.config import load_config
-    from gsm8kctl.stages.finetune import KEEP_MARKER, _prune, list_checkpoints
-    from gsm8kctl.stages.loop import _Context, load_state
+    from gsm8kctl.rundir import KEEP_MARKER, list_checkpoints, load_state
+    from gsm8kctl.rundir import prune_checkpoints as _prune
+    from gsm8kctl.stages.loop import _Context
 
     run = tmp_path / "run"
     for step in (1, 2, 3):

@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 
 from gsm8kctl.errors import UserError
+from gsm8kctl.config import CONFIG_FILE
+from gsm8kctl.rundir import CHECKPOINTS_DIR, ITERATIONS_DIR, STATE_FILE
 from gsm8kctl.tapes import LLM_CALLS_FILE
 
 TABLE = "llm_calls"
@@ -20,7 +22,7 @@ CALLS_PER_PAGE = 100
 # How far above PATH the search for llm_calls.sqlite goes. A run directory is
 # runs/NAME/{iterations,eval}/0003/tapes.jsonl: the log is two levels above a tapes file.
 MAX_PARENTS = 3
-_RUN_DIR_MARKERS = ("state.json", "config.yaml", "iterations", "checkpoints")
+_RUN_DIR_MARKERS = (STATE_FILE, CONFIG_FILE, ITERATIONS_DIR, CHECKPOINTS_DIR)
 _LIST_COLUMNS = ("id", "tape_id", "created", "backend", "model", "prompt_tokens",
                  "completion_tokens", "latency_s", "finish_reason")
 SNIPPET_CHARS = 120

@@ -27,6 +27,7 @@ from typing import Iterator
 
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import MAYBE_NONFINITE, loads_strict
+from gsm8kctl.rundir import EVAL_DIR, ITERATIONS_DIR
 from gsm8kctl.tapes import TAPES_FILE, outcome
 
 OUTCOMES = ("correct", "wrong", "unparsable", "overflow")
@@ -126,8 +127,8 @@ def _path_hint(rel: str) -> dict:
     """iterations/0003/tapes.jsonl -> iteration 3, split train; eval/0003/ -> test."""
     parts = Path(rel).parts
     for i in range(len(parts) - 2, 0, -1):
-        if _ITER_DIR_RE.match(parts[i]) and parts[i - 1] in ("iterations", "eval"):
-            return {"iteration": int(parts[i]), "split": "train" if parts[i - 1] == "iterations" else "test"}
+        if _ITER_DIR_RE.match(parts[i]) and parts[i - 1] in (ITERATIONS_DIR, EVAL_DIR):
+            return {"iteration": int(parts[i]), "split": "train" if parts[i - 1] == ITERATIONS_DIR else "test"}
     return {}
 
 

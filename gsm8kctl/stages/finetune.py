@@ -1,6 +1,7 @@
 """`finetune`: train the latest checkpoint on training samples (objectives in `gsm8kctl.losses`).
 
-Layout under OUT (the run directory; the loop passes `runs/NAME`):
+Layout under OUT (the run directory; the loop passes `runs/NAME`; paths, the checkpoint list,
+`latest`, pruning and the `keep` marker live in `gsm8kctl/rundir.py`):
 
     OUT/checkpoints/step-000008/      a Hugging Face model directory, loadable by transformers and
         model.safetensors             vLLM: weights (fp32 master weights: exact resume), config,
@@ -60,74 +61,20 @@ from typing import Sequence
 
 from gsm8kctl.config import save_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import JsonlAppender, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
+from gsm8kctl.jsonl import JsonlAppender, atomic_write_json, read_jsonl, write_jsonl
 from gsm8kctl.paths import check_output_dir, is_inside, same_file
 from gsm8kctl.procs import free_port
+from gsm8kctl.rundir import (CHECKPOINTS_DIR, FINETUNE_DIR, OPTIMIZER_FILE, TRAINING_STATE_DIR,
+                             TRAINING_STATE_FILE, checkpoint_step, checkpoint_tmp, latest_checkpoint,
+                             publish_checkpoint)
 from gsm8kctl.samples import read_samples, samples_stats, stats_table
 
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
-STATE_DIR = "training_state"
-STATE_FILE = "state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-FINETUNE_DIR = "finetune"
 METRICS_FILE = "metrics.jsonl"
 DATASET_STATS_FILE = "dataset_stats.jsonl"
 LAUNCH_FILE = "launch.json"
 RESULT_FILE = "last_run.json"
 CONFIG_COPY = "finetune.yaml"
-KEEP_MARKER = "keep"
 OBJECTIVES = ("sft", "reinforce", "grpo")
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints on disk
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (state file written) under OUT/checkpoints, oldest first."""
-    root = Path(out_dir) / CHECKPOINTS_DIR
-    found = []
-    if root.is_dir():
-        for d in root.iterdir():
-            if d.is_dir() and d.name.startswith("step-") and (d / STATE_DIR / STATE_FILE).exists():
-                try:
-                    found.append((int(d.name[5:]), d))
-                except ValueError:
-                    continue
-    return sorted(found)
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names; if that is missing or broken, the highest complete step."""
-    root = Path(out_dir) / CHECKPOINTS_DIR
-    pointer = root / LATEST_FILE
-    if pointer.exists():
-        d = root / pointer.read_text(encoding="utf-8").strip()
-        if d.name and (d / STATE_DIR / STATE_FILE).exists():
-            return d
-    found = list_checkpoints(out_dir)
-    return found[-1][1] if found else None
-
-
-def checkpoint_step(ckpt: str | Path) -> int:
-    return int(json.loads((Path(ckpt) / STATE_DIR / STATE_FILE).read_text(encoding="utf-8"))["step"])
-
-
-def _prune(out_dir: Path, keep: int, current: Path) -> None:
-    """Delete all but the last `keep` checkpoints (never the current one or one marked `keep`)."""
-    found = list_checkpoints(out_dir)
-    doomed = found[:-keep] if keep > 0 else []
-    for _, d in doomed:
-        if d.resolve() != current.resolve() and not (d / KEEP_MARKER).exists():
-            shutil.rmtree(d, ignore_errors=True)
-    # Temp directories of saves killed midway.
-    for d in (out_dir / CHECKPOINTS_DIR).glob(".step-*.tmp"):
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,9 +465,9 @@ def train(samples: list[dict], out_dir: Path, cfg: dict, *, start: str, resume: 
     fp = fingerprint(samples)
     global_batch = global_batch_size(ft, world)
     step, phase_start, state = 0, 0, None
-    sdir = Path(start) / STATE_DIR
+    sdir = Path(start) / TRAINING_STATE_DIR
     if resume:
-        state = json.loads((sdir / STATE_FILE).read_text(encoding="utf-8"))
+        state = json.loads((sdir / TRAINING_STATE_FILE).read_text(encoding="utf-8"))
         step = int(state["step"])
         same_phase = state["phase"]["fingerprint"] == fp
         phase_start = int(state["phase"]["start_step"]) if same_phase else step
@@ -763,34 +710,29 @@ def _save(accelerator, model, optimizer, tokenizer, cfg: dict, out_dir: Path, *,
     """Write checkpoint `step` to a temp dir, rename it into place, point `latest` at it, prune."""
     import torch
 
-    root = out_dir / CHECKPOINTS_DIR
-    final = root / checkpoint_name(step)
-    tmp = root / f".{checkpoint_name(step)}.tmp"
+    tmp = checkpoint_tmp(out_dir, step)
     main = accelerator.is_main_process
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / STATE_DIR).mkdir(parents=True)
+        (tmp / TRAINING_STATE_DIR).mkdir(parents=True)
     accelerator.wait_for_everyone()
     if main:
         lm = accelerator.unwrap_model(model).lm
         lm.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         save_config(cfg, tmp / CONFIG_COPY)
-        torch.save(optimizer.state_dict(), tmp / STATE_DIR / OPTIMIZER_FILE)
-    torch.save(_rng_state(), tmp / STATE_DIR / f"rng-{accelerator.process_index}.pt")
+        torch.save(optimizer.state_dict(), tmp / TRAINING_STATE_DIR / OPTIMIZER_FILE)
+    torch.save(_rng_state(), tmp / TRAINING_STATE_DIR / f"rng-{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
+    final = None
     if main:
         # The state file last: a checkpoint without it is incomplete and never loaded.
-        atomic_write_json(tmp / STATE_DIR / STATE_FILE, {
+        atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {
             "step": step, "phase": phase, "global_batch": global_batch, "seed": cfg["seed"],
             "objective": cfg["finetune"]["objective"], "num_processes": accelerator.num_processes,
             "created": round(time.time(), 3),
         })
-        if final.exists():  # a previous save of this step that was killed before `latest` moved
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(root / LATEST_FILE, final.name + "\n")
-        _prune(out_dir, int(cfg["finetune"]["keep_checkpoints"]), final)
+        final = publish_checkpoint(out_dir, tmp, step, int(cfg["finetune"]["keep_checkpoints"]))
     accelerator.wait_for_everyone()
     return final
 

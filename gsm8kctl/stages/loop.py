@@ -12,7 +12,6 @@ state, `evaluate` appends only missing problems. Nothing is done twice, nothing 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
@@ -21,99 +20,16 @@ from pathlib import Path
 
 from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import atomic_write_json, read_jsonl, write_jsonl
+from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import check_output_dir
 from gsm8kctl.procs import StageRecord, run_stage
 from gsm8kctl.progress import console, say
+from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, PHASES, RUN_METRICS_FILE, STATE_FILE,
+                             WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
+                             load_state, mark_keep, save_state, unmark_keep)
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
-
-STATE_FILE = "state.json"
-LOCK_FILE = ".lock"
-RUN_METRICS_FILE = "metrics.jsonl"
-CURVE_FILE = "learning_curve.png"
-PHASES = ("evaluate", "sample", "filter", "finetune", "record")
-
-
-# ---------------------------------------------------------------------------------------------
-# Run directory plumbing: lock, state, problem order
-
-
-class RunLock:
-    """An exclusive flock on RUN/.lock; the kernel drops it when the holder dies, so no stale lock."""
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / LOCK_FILE
-        self.fd: int | None = None
-
-    def __enter__(self) -> "RunLock":
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            raise UserError(f"{self.path.parent}: another loop (pid {holder}) is running on this run directory")
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-
-
-def load_state(run_dir: Path) -> dict:
-    path = run_dir / STATE_FILE
-    if not path.exists():
-        return {"iteration": 0, "phase": "warmup", "cursor": 0, "problems": None, "child_pgid": None,
-                "timings": {}, "best": None}
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path}: not valid JSON (it is written atomically; was it edited by hand?)") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
-    return _check_state(state, path)
-
-
-def _check_state(state, path: Path) -> dict:
-    """The keys the loop resumes from, typed; a hand-edited or foreign file is named with its key."""
-    from gsm8kctl.tapes import shown
-
-    def bad(key: str, what: str):
-        return UserError(f"{path}: '{key}' must be {what}, got {shown(state.get(key))} "
-                         "(not a state file of this loop's; restore it or use a fresh --run-dir)")
-
-    if not isinstance(state, dict):
-        raise UserError(f"{path}: expected a JSON object (the loop's state), got {type(state).__name__}")
-    for key in ("iteration", "cursor"):
-        v = state.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise bad(key, "an integer >= 0")
-    phases = ("warmup", *PHASES, "done")
-    if state.get("phase") not in phases:
-        raise bad("phase", f"one of {', '.join(phases)}")
-    problems = state.get("problems")
-    if problems is not None and not (isinstance(problems, list) and all(isinstance(p, str) for p in problems)):
-        raise bad("problems", "null or a list of problem ids")
-    if not isinstance(state.setdefault("timings", {}), dict):
-        raise bad("timings", "an object")
-    best = state.setdefault("best", None)
-    if best is not None and not (isinstance(best, dict) and isinstance(best.get("accuracy_strict"), (int, float))):
-        raise bad("best", "null or an object with accuracy_strict")
-    pgid = state.setdefault("child_pgid", None)
-    if pgid is not None and (not isinstance(pgid, int) or isinstance(pgid, bool)):
-        raise bad("child_pgid", "null or a process group id")
-    state.setdefault("problems", None)
-    return state
-
-
-def save_state(run_dir: Path, state: dict) -> None:
-    atomic_write_json(run_dir / STATE_FILE, state)
-
 
 def problem_order(n_train: int, seed: int, epoch: int) -> list[int]:
     """A seeded permutation of the train split, a new one each pass over it."""
@@ -195,8 +111,8 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
 
 def _finetune_extremes(run_dir: Path, samples_path: Path) -> dict:
     """Largest mean ratio and KL over the finetune steps that trained on this samples file."""
-    from gsm8kctl.stages.finetune import FINETUNE_DIR, fingerprint
     from gsm8kctl.stages.finetune import METRICS_FILE as FINETUNE_METRICS
+    from gsm8kctl.stages.finetune import fingerprint
 
     path = run_dir / FINETUNE_DIR / FINETUNE_METRICS
     samples = list(read_jsonl(samples_path)) if samples_path.exists() else []
@@ -324,14 +240,12 @@ class _Context:
 
     # ------------------------------------------------------------------ paths
     def it_dir(self, it: int) -> Path:
-        return self.run_dir / "iterations" / f"{it:04d}"
+        return iteration_dir(self.run_dir, it)
 
     def eval_dir(self, it: int) -> Path:
-        return self.run_dir / "eval" / f"{it:04d}"
+        return eval_dir(self.run_dir, it)
 
     def current_model(self) -> str:
-        from gsm8kctl.stages.finetune import latest_checkpoint
-
         ckpt = latest_checkpoint(self.run_dir)
         return str(ckpt) if ckpt else self.cfg["model"]
 
@@ -341,7 +255,7 @@ class _Context:
         if not steps:
             return
         self._banner(-1, "warm-start SFT on gold solutions")
-        d = self.run_dir / "warmup"
+        d = self.run_dir / WARMUP_DIR
         samples = d / SAMPLES_FILE
         if not samples.exists():
             self._stage("filter", "--gold", "--split", "train", "--n-problems",
@@ -436,19 +350,16 @@ class _Context:
 
     def _mark_best(self, it: int, accuracy: float, evaluated: Path) -> None:
         """Keep the checkpoint with the best strict test accuracy from pruning (finetune's `keep` marker)."""
-        from gsm8kctl.stages.finetune import KEEP_MARKER
-
         best = self.state.get("best")
         if best and best["accuracy_strict"] >= accuracy:
             return
-        ckpt = evaluated if (evaluated / "config.json").exists() and \
-            evaluated.parent.resolve() == (self.run_dir / "checkpoints").resolve() else None
+        ckpt = evaluated if is_own_checkpoint(self.run_dir, evaluated) else None
         if ckpt is None:  # the base model was best: nothing of ours to keep
             self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": None}
             return
         if best and best["checkpoint"] and Path(best["checkpoint"]).exists():
-            (Path(best["checkpoint"]) / KEEP_MARKER).unlink(missing_ok=True)
-        (ckpt / KEEP_MARKER).write_text(f"best strict test accuracy {accuracy} at iteration {it}\n")
+            unmark_keep(Path(best["checkpoint"]))
+        mark_keep(ckpt, f"best strict test accuracy {accuracy} at iteration {it}")
         self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": str(ckpt)}
 
     # ------------------------------------------------------------------ talk
