@@ -247,8 +247,8 @@ def test_gold_samples_format_and_tokens(cfg, tokenizer, gsm8k_dir):
 
 
 def test_gold_prompt_is_the_samplers_prompt_with_few_shot(cfg, tokenizer, gsm8k_dir):
+    from gsm8kctl.attempts import prompt_for
     from gsm8kctl.data import load_problems
-    from gsm8kctl.stages.sample import prompt_for
 
     train = load_problems("train", gsm8k_dir)
     cfg["agent"]["few_shot"] = 2

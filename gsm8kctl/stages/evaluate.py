@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gsm8kctl.attempts import check_calls_db, existing_output, open_backend, run_attempts
 from gsm8kctl.backends import Backend, SamplingParams
 from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.data import load_problems, select_problems
@@ -14,7 +15,6 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl
 from gsm8kctl.paths import check_output_dir
 from gsm8kctl.progress import say
-from gsm8kctl.stages.sample import check_calls_db, existing_output, open_backend, run_attempts
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
 

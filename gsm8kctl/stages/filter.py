@@ -299,13 +299,13 @@ def gold_samples(cfg: dict, *, split: str = "train", model: str | None = None,
                  tokenizer=None) -> tuple[list[dict], FilterReport]:
     """SFT samples from gold solutions: reward 1, weight 1, advantage 0, no sampler log-probs.
 
-    The prompt is the sampler's own (`sample.prompt_for`: system prompt, template, the same
+    The prompt is the sampler's own (`attempts.prompt_for`: system prompt, template, the same
     seeded few-shot examples), so warm-start data and sampled data share one format.
     """
     from gsm8kctl.agent import format_gold_solution
+    from gsm8kctl.attempts import prompt_for
     from gsm8kctl.chat import render_completion
     from gsm8kctl.data import load_problems
-    from gsm8kctl.stages.sample import prompt_for
 
     model = model or cfg["model"]
     if n_problems is not None and n_problems < 1:
