@@ -200,7 +200,8 @@ def run_one(shape: str, nproc: int, model_dir: str, params: int, samples: str, r
     import torch
 
     from gsm8kctl.config import load_config
-    from gsm8kctl.stages.finetune import _compile_wanted, run_finetune
+    from gsm8kctl.stages.finetune import run_finetune
+    from gsm8kctl.training import _compile_wanted
 
     cuda = torch.cuda.is_available()
     per_proc = args.batch // nproc

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gsm8kctl.config import load_config
-from gsm8kctl import rundir
+from gsm8kctl import rundir, training
 from gsm8kctl.errors import UserError
 from gsm8kctl.stages import finetune as ft
 
@@ -68,29 +68,29 @@ def _metrics(out):
 
 def test_lr_schedule():
     kw = dict(base=1.0, warmup=2, horizon=6)
-    assert [ft.lr_at(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
-    cos = [ft.lr_at(s, schedule="cosine", **kw) for s in range(7)]
+    assert [training.lr_at(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cos = [training.lr_at(s, schedule="cosine", **kw) for s in range(7)]
     assert cos[:3] == pytest.approx([0.5, 1.0, 1.0]) and cos[4] == pytest.approx(0.5) and cos[6] == pytest.approx(0.0)
 
 
 def test_step_batches_and_micro_batches():
-    a = ft.step_batches(10, 4, seed=1, fp="x", epoch=0)
+    a = training.step_batches(10, 4, seed=1, fp="x", epoch=0)
     assert [len(b) for b in a] == [4, 4, 2] and sorted(sum(a, [])) == list(range(10))
-    assert a == ft.step_batches(10, 4, seed=1, fp="x", epoch=0) != ft.step_batches(10, 4, seed=1, fp="x", epoch=1)
+    assert a == training.step_batches(10, 4, seed=1, fp="x", epoch=0) != training.step_batches(10, 4, seed=1, fp="x", epoch=1)
     lengths = [10, 3, 8, 5, 7, 2]
-    r0 = ft.micro_batches(list(range(6)), lengths, rank=0, world=2, token_budget=16, max_batch=8)
-    r1 = ft.micro_batches(list(range(6)), lengths, rank=1, world=2, token_budget=16, max_batch=8)
+    r0 = training.micro_batches(list(range(6)), lengths, rank=0, world=2, token_budget=16, max_batch=8)
+    r1 = training.micro_batches(list(range(6)), lengths, rank=1, world=2, token_budget=16, max_batch=8)
     assert sorted(sum(r0 + r1, [])) == list(range(6))
     for mb in r0 + r1:  # padded size within budget unless a single long sample
         assert len(mb) * max(lengths[i] for i in mb) <= 16 or len(mb) == 1
-    assert ft.micro_batches([1, 5], lengths, rank=0, world=1, token_budget=100, max_batch=1) == [[5], [1]]
+    assert training.micro_batches([1, 5], lengths, rank=0, world=1, token_budget=100, max_batch=1) == [[5], [1]]
 
 
 def test_compile_option():
-    assert ft._compile_wanted("auto", cuda=True) and not ft._compile_wanted("auto", cuda=False)
-    assert ft._compile_wanted(True, cuda=False) and not ft._compile_wanted("False", cuda=True)
+    assert training._compile_wanted("auto", cuda=True) and not training._compile_wanted("auto", cuda=False)
+    assert training._compile_wanted(True, cuda=False) and not training._compile_wanted("False", cuda=True)
     with pytest.raises(UserError, match="finetune.compile"):
-        ft._compile_wanted("sometimes", cuda=False)
+        training._compile_wanted("sometimes", cuda=False)
 
 
 def test_resolve_objective():

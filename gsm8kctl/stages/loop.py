@@ -61,7 +61,7 @@ def iteration_steps(n_samples: int, ft: dict) -> dict:
     them: in issue 11, 8 steps per iteration on 16-35 successes drove the new/old ratio to 47 and
     test accuracy down.
     """
-    from gsm8kctl.stages.finetune import global_batch_size, steps_per_epoch
+    from gsm8kctl.training import global_batch_size, steps_per_epoch
 
     batch = global_batch_size(ft, int(ft["num_processes"]))
     if ft["steps"] is not None:
@@ -111,8 +111,8 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
 
 def _finetune_extremes(run_dir: Path, samples_path: Path) -> dict:
     """Largest mean ratio and KL over the finetune steps that trained on this samples file."""
-    from gsm8kctl.stages.finetune import METRICS_FILE as FINETUNE_METRICS
-    from gsm8kctl.stages.finetune import fingerprint
+    from gsm8kctl.training import METRICS_FILE as FINETUNE_METRICS
+    from gsm8kctl.training import fingerprint
 
     path = run_dir / FINETUNE_DIR / FINETUNE_METRICS
     samples = list(read_jsonl(samples_path)) if samples_path.exists() else []
