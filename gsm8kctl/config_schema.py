@@ -127,6 +127,11 @@ Tracker = Literal["tensorboard", "wandb"]
 
 
 @dataclass(frozen=True)
+class Loop:
+    engine: Literal["auto", "inprocess", "processes"]
+
+
+@dataclass(frozen=True)
 class Agent:
     system_prompt: Optional[str]
     task_template: Annotated[str, Template()]
@@ -245,6 +250,7 @@ class Config:
     warn_test_drop: Optional[NonNegFloat]             # accuracy is a fraction: 0.01 = 1 point
     warn_ratio: Optional[PosFloat]
     warn_kl: Optional[NonNegFloat]
+    loop: Loop
     agent: Agent
     sampling: Sampling
     evaluation: Evaluation
@@ -274,6 +280,17 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
+    # In-process the loop itself samples and trains: with the transformers backend, in one process.
+    Rule(("loop.engine", "backend"),
+         lambda c: c["loop"]["engine"] != "inprocess" or c["backend"] in ("auto", "transformers"),
+         lambda c: f"loop.engine=inprocess samples with the transformers backend, got backend={c['backend']} "
+                   "(use loop.engine=processes or auto)",
+         commands=("loop",)),
+    Rule(("loop.engine", "finetune.num_processes"),
+         lambda c: c["loop"]["engine"] != "inprocess" or c["finetune"]["num_processes"] == 1,
+         lambda c: f"loop.engine=inprocess trains in one process, got finetune.num_processes="
+                   f"{c['finetune']['num_processes']} (use loop.engine=processes or auto)",
+         commands=("loop",)),
     Rule(("max_agent_forks", "attempts"),
          lambda c: c["max_agent_forks"] >= c["attempts"],
          lambda c: f"need max_agent_forks >= attempts (a loop iteration samples max_agent_forks // attempts "

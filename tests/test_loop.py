@@ -254,6 +254,87 @@ def test_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny_model_dir
     assert _summary(run_dir) == _summary(reference_run)
 
 
+# ---------------------------------------------------------------------------------------------
+# The in-process engine: the same artifacts as child processes, and the same resume
+
+
+def _inprocess_cmd(model: str, run_dir: Path) -> list[str]:
+    return [*_cmd(model, run_dir), "loop.engine=inprocess"]
+
+
+def _weights(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_inprocess_engine_writes_what_processes_write(tiny_model_dir, reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(_inprocess_cmd(tiny_model_dir, run_dir), cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "engine: inprocess (loop.engine=inprocess)" in proc.stderr
+    assert _summary(run_dir) == _summary(reference_run)
+    # Token for token and bit for bit: the same seeds, batches and float arithmetic, whichever
+    # process ran the phase (the sampler took the trainer's weights by copy, not from disk).
+    for sub in ("iterations/0000", "eval/0000", "eval/0001"):
+        # (Tape ids hash the model's path, a checkpoint of each run directory after training.)
+        key = lambda t: (t["problem_id"], t["attempt"], t["completion_token_ids"], t["reward"])  # noqa: E731
+        ours = [key(t) for t in read_jsonl(run_dir / sub / "tapes.jsonl")]
+        theirs = [key(t) for t in read_jsonl(reference_run / sub / "tapes.jsonl")]
+        assert sorted(ours) == sorted(theirs), sub
+    losses = lambda run: [r["loss"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")]  # noqa: E731
+    assert losses(run_dir) == losses(reference_run)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    ours, theirs = _weights(run_dir / "checkpoints" / latest), _weights(reference_run / "checkpoints" / latest)
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+    row = list(read_jsonl(run_dir / "metrics.jsonl"))[0]
+    assert row["seconds"]["weights_refresh"] >= 0  # measured, and in metrics.jsonl
+    # Every stage still reruns by itself on what the engine wrote, and finds its work done.
+    conn = open_readonly(run_dir / "llm_calls.sqlite")
+    calls = conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0]
+    conn.close()
+    config = ["--config", str(run_dir / "config.yaml")]
+    again = run_cli("evaluate", "--model", str(run_dir), "-o", str(run_dir / "eval" / "0001"), "--iteration", "1",
+                    "--llm-calls", str(run_dir / "llm_calls.sqlite"), "--limit", "3", *config)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "3 attempts already there" in again.stderr
+    again = run_cli("finetune", str(run_dir / "iterations" / "0000" / "samples.jsonl"), "--out", str(run_dir),
+                    "--steps", "2", *config)
+    assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr[-2000:]
+    conn = open_readonly(run_dir / "llm_calls.sqlite")
+    assert conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0] == calls
+
+
+def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny_model_dir, reference_run,
+                                                                            tmp_path):
+    """No child to wait for: the kill points watch state.json closely (in-process phases are short)."""
+    run_dir = tmp_path / "run"
+    phase = lambda: _state(run_dir).get("phase")  # noqa: E731
+    kill_points = [
+        ("sample", lambda: _lines(run_dir / "iterations/0000/tapes.jsonl") >= 2, 0.0),
+        ("filter", lambda: phase() in ("filter", "finetune"), 0.0),
+        ("finetune", lambda: phase() == "finetune", 1.0),  # into the trainer's start and steps
+        ("evaluate", lambda: _lines(run_dir / "eval/0001/tapes.jsonl") >= 1, 0.0),
+    ]
+    for name, cond, delay in kill_points:
+        proc = subprocess.Popen(_inprocess_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while not cond():
+            assert proc.poll() is None, f"loop ended before the {name} kill point (exit {proc.returncode})"
+            assert time.time() < deadline, f"{name} kill point not reached"
+            time.sleep(0.002)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert phase() != "done", f"loop finished before the {name} kill"
+    proc = subprocess.run(_inprocess_cmd(tiny_model_dir, run_dir), cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _summary(run_dir) == _summary(reference_run)
+
+
 def test_second_loop_on_same_run_dir_is_refused(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,

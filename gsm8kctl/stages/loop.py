@@ -1,13 +1,13 @@
 """`loop`: the RL loop — evaluate, sample, filter, finetune, record — with crash-safe resume.
 
-Each phase is one stage command run as a child process on files in the run directory (layout in
-docs/architecture.md), so a phase's memory (a sampler's KV cache, a trainer's optimizer) is
-returned to the system before the next one starts, and every phase can be rerun by hand.
-`state.json` says which phase of which iteration is next; it is rewritten atomically after a
-phase has finished. Killed at any moment and started again with the same command, the loop
-reruns the unfinished phase, whose stage resumes by itself: `sample` appends only missing
-attempts, `filter` rewrites its output atomically, `finetune` continues from its last saved
-state, `evaluate` appends only missing problems. Nothing is done twice, nothing is lost.
+Each phase runs the stage of the same name on files in the run directory (layout in
+`rundir.py`), either as a child process or in this process with the model resident
+(`engine.py`, `loop.engine`); every phase can also be rerun by hand. `state.json` says which
+phase of which iteration is next; it is rewritten atomically after a phase has finished.
+Killed at any moment and started again with the same command, the loop reruns the unfinished
+phase, whose stage resumes by itself: `sample` appends only missing attempts, `filter`
+rewrites its output atomically, `finetune` continues from its last saved state, `evaluate`
+appends only missing problems. Nothing is done twice, nothing is lost.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import check_output_dir
-from gsm8kctl.procs import StageRecord, run_stage
+from gsm8kctl.procs import StageRecord
 from gsm8kctl.progress import console, say
 from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, PHASES, RUN_METRICS_FILE, STATE_FILE,
                              WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
@@ -158,18 +158,24 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
         if left is not None and left.processes():
             say(f"stopping a stage left running by the previous loop (process group {left.pgid})", quiet)
             left.stop()
-        ctx = _Context(cfg, run, state, base_model, n_train, quiet)
-        ctx.run()
+        from gsm8kctl.engine import open_engine
+
+        engine = open_engine(cfg, run, state, quiet=quiet)
+        try:
+            _Context(cfg, run, state, base_model, n_train, quiet, engine=engine).run()
+        finally:
+            engine.close()
         return state
 
 
 class _Context:
     """What every phase needs; one method per phase, read top to bottom in `run`."""
 
-    def __init__(self, cfg: dict, run: Path, state: dict, base_model: str, n_train: int, quiet: bool):
+    def __init__(self, cfg: dict, run: Path, state: dict, base_model: str, n_train: int, quiet: bool,
+                 engine=None):
         self.cfg, self.run_dir, self.state, self.base_model = cfg, run, state, base_model
         self.n_train, self.quiet = n_train, quiet
-        self.config_path = str(run / CONFIG_FILE)
+        self.engine = engine  # engine.ProcessEngine or InProcessEngine: runs each phase's stage
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -207,37 +213,6 @@ class _Context:
         save_state(self.run_dir, st)
         self._summary()
 
-    def _server_for(self, model: str):
-        """backend openai without a URL: serve the current model with `vllm serve` for this phase only,
-        so the GPU is free again when finetune starts (the original system left it allocated)."""
-        import contextlib
-
-        if self.cfg["backend"] != "openai" or self.cfg["openai"]["base_url"]:
-            return contextlib.nullcontext(None)
-        from gsm8kctl.models import resolve_model
-        from gsm8kctl.serve import VLLMServer
-
-        return VLLMServer(resolve_model(model), log_path=self.run_dir / "vllm-server.log", cfg=self.cfg)
-
-    def _sampling_stage(self, model: str, *args: str) -> None:
-        with self._server_for(model) as server:
-            extra = [f"openai.base_url={server.base_url}"] if server is not None else []
-            self._stage(*args, *extra)
-
-    def _stage(self, *args: str) -> None:
-        """Run one stage command on the run's resolved config; a failure stops the loop."""
-
-        def remember(stage: StageRecord) -> None:
-            self.state.update(stage.to_state())  # the supervisor's group, and the token that proves it
-            save_state(self.run_dir, self.state)
-
-        # vLLM's start-up warnings (no Triton, eager mode...) would bury the loop's own lines.
-        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
-        rc = run_stage([*args, "--config", self.config_path], on_start=remember, env=env)
-        if rc != 0:
-            raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}; fix the cause and rerun the "
-                            "same command to resume")
-
     # ------------------------------------------------------------------ paths
     def it_dir(self, it: int) -> Path:
         return iteration_dir(self.run_dir, it)
@@ -258,10 +233,8 @@ class _Context:
         d = self.run_dir / WARMUP_DIR
         samples = d / SAMPLES_FILE
         if not samples.exists():
-            self._stage("filter", "--gold", "--split", "train", "--n-problems",
-                        str(self.cfg["warmup_sft_problems"]), "-o", str(samples), "--quiet")
-        self._stage("finetune", str(samples), "--out", str(self.run_dir), "--objective", "sft",
-                    "--steps", str(steps))
+            self.engine.gold_samples(samples, self.cfg["warmup_sft_problems"])
+        self.engine.finetune(samples, steps, objective="sft")
 
     def _evaluate(self, it: int) -> None:
         every = self.cfg["test_every_n_iterations"]
@@ -269,11 +242,7 @@ class _Context:
         if not every or (it % every and not final):
             return
         model = self.current_model()
-        args = ["evaluate", "--model", model, "-o", str(self.eval_dir(it)),
-                "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet", "--iteration", str(it)]
-        if self.cfg["eval_limit"] is not None:
-            args += ["--limit", str(self.cfg["eval_limit"])]
-        self._sampling_stage(model, *args)
+        self.engine.evaluate(model, self.eval_dir(it), it, self.cfg["eval_limit"])
         # Marked now, not at record: this iteration's finetune prunes, and with keep_checkpoints=1
         # it would delete the checkpoint just evaluated before record could keep it.
         m = json.loads((self.eval_dir(it) / METRICS_FILE).read_text(encoding="utf-8"))
@@ -289,13 +258,10 @@ class _Context:
             save_state(self.run_dir, st)
         self.it_dir(it).mkdir(parents=True, exist_ok=True)
         model = self.current_model()
-        self._sampling_stage(model, "sample", "--model", model, "--problem-ids", ",".join(st["problems"]),
-                    "--iteration", str(it), "-o", str(self.it_dir(it) / TAPES_FILE),
-                    "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet")
+        self.engine.sample(model, st["problems"], it, self.it_dir(it) / TAPES_FILE)
 
     def _filter(self, it: int) -> None:
-        self._stage("filter", str(self.it_dir(it) / TAPES_FILE), "-o", str(self.it_dir(it) / SAMPLES_FILE),
-                    "--quiet")
+        self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE)
 
     def _finetune(self, it: int) -> None:
         samples = self.it_dir(it) / SAMPLES_FILE
@@ -307,7 +273,9 @@ class _Context:
         plan = iteration_steps(n, self.cfg["finetune"])
         say(f"iteration {it}: {plan['steps']} optimizer steps of {plan['global_batch']} samples on {n} samples = "
             f"{plan['passes']:g} pass{'' if plan['passes'] == 1 else 'es'} ({plan['why']})", self.quiet)
-        self._stage("finetune", str(samples), "--out", str(self.run_dir), "--steps", str(plan["steps"]))
+        info = self.engine.finetune(samples, plan["steps"])
+        if info.get("refresh_s") is not None:  # in-process: the sampler took the trainer's weights
+            self.state["timings"].setdefault(str(it), {})["weights_refresh"] = info["refresh_s"]
 
     def _record(self, it: int) -> None:
         row: dict = {"iteration": it, "model": self.current_model()}

@@ -1,0 +1,303 @@
+"""How the loop runs a phase: a stage command in a child process, or a call in this process.
+
+Both engines write the same artifacts at the same points, because both run the same stage
+functions on the same files; the loop (`stages/loop.py`) decides which phase runs and records
+it in `state.json`, and does not care which engine ran it.
+
+- `ProcessEngine` (`loop.engine: processes`): each phase is `gsm8kctl <stage> ... --config
+  RUN/config.yaml` under the process supervisor (`procs.py`). Its memory (a sampler's KV cache,
+  a trainer's optimizer) goes back to the system when it ends; every phase pays for process
+  start, imports, model load and compile again. vLLM, openai and `finetune.num_processes > 1`
+  run this way.
+- `InProcessEngine` (`loop.engine: inprocess`): the loop process keeps one `training.Trainer`
+  (fp32 master weights, AdamW state, compiled layers) and one transformers sampler (its slot
+  engine's KV cache and CUDA graphs) for the whole run. After a finetune phase the sampler's
+  weights are copied in place from the trainer's (a cast to the sampler's dtype; the CUDA
+  graphs stay valid because the tensors keep their addresses), so sampling never reloads from
+  disk. The checkpoint is still saved at the end of every finetune phase, exactly as the stage
+  saves it, so a kill -9 at any moment resumes from disk as with processes.
+
+`auto` takes inprocess on one CUDA device with the transformers backend and processes
+elsewhere; the loop says which at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from gsm8kctl.errors import UserError
+from gsm8kctl.procs import StageRecord, run_stage
+from gsm8kctl.progress import say
+from gsm8kctl.tapes import LLM_CALLS_FILE
+
+ENGINES = ("auto", "inprocess", "processes")
+
+
+def choose_engine(cfg: dict) -> tuple[str, str]:
+    """(engine, why): what runs the phases of this loop, decided before anything is loaded."""
+    from gsm8kctl.backends import resolve_backend_name
+
+    want = cfg["loop"]["engine"]
+    backend = resolve_backend_name(cfg["backend"])
+    nproc = int(cfg["finetune"]["num_processes"])
+    blocker = None
+    if backend != "transformers":
+        blocker = f"backend {backend} samples in its own engine or server"
+    elif nproc > 1:
+        blocker = f"finetune.num_processes={nproc} trains under accelerate launch"
+    if want == "processes":
+        return "processes", "loop.engine=processes"
+    if want == "inprocess":
+        if blocker:  # the schema refuses the explicit cases; `backend: auto` resolves only now
+            raise UserError(f"loop.engine=inprocess cannot run here: {blocker} (use loop.engine=processes)")
+        return "inprocess", "loop.engine=inprocess"
+    if blocker:
+        return "processes", f"loop.engine=auto: {blocker}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "processes", "loop.engine=auto: no CUDA device (set loop.engine=inprocess to keep the model " \
+                            "in this process on the CPU)"
+    return "inprocess", "loop.engine=auto: one CUDA device, transformers backend"
+
+
+def open_engine(cfg: dict, run_dir: Path, state: dict, *, quiet: bool):
+    engine, why = choose_engine(cfg)
+    say(f"engine: {engine} ({why})", quiet)
+    if engine == "inprocess":
+        return InProcessEngine(cfg, run_dir, quiet=quiet)
+    return ProcessEngine(cfg, run_dir, state, quiet=quiet)
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes
+
+
+class ProcessEngine:
+    name = "processes"
+
+    def __init__(self, cfg: dict, run_dir: Path, state: dict, *, quiet: bool):
+        from gsm8kctl.config import CONFIG_FILE
+        from gsm8kctl.rundir import save_state
+
+        self.cfg, self.run_dir, self.state, self.quiet = cfg, run_dir, state, quiet
+        self.config_path = str(run_dir / CONFIG_FILE)
+        self._save_state = save_state
+
+    def gold_samples(self, out: Path, n_problems: int) -> None:
+        self._stage("filter", "--gold", "--split", "train", "--n-problems", str(n_problems), "-o", str(out),
+                    "--quiet")
+
+    def finetune(self, samples: Path, steps: int, objective: str | None = None) -> dict:
+        self._stage("finetune", str(samples), "--out", str(self.run_dir), "--steps", str(steps),
+                    *(["--objective", objective] if objective else []))
+        return {}
+
+    def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None) -> None:
+        args = ["evaluate", "--model", model, "-o", str(out_dir), "--llm-calls", str(self.run_dir / LLM_CALLS_FILE),
+                "--quiet", "--iteration", str(iteration)]
+        if limit is not None:
+            args += ["--limit", str(limit)]
+        self._sampling_stage(model, *args)
+
+    def sample(self, model: str, problem_ids: list[str], iteration: int, out: Path) -> None:
+        self._sampling_stage(model, "sample", "--model", model, "--problem-ids", ",".join(problem_ids),
+                             "--iteration", str(iteration), "-o", str(out),
+                             "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet")
+
+    def filter(self, tapes: Path, out: Path) -> None:
+        self._stage("filter", str(tapes), "-o", str(out), "--quiet")
+
+    def close(self) -> None:
+        pass
+
+    def _server_for(self, model: str):
+        """backend openai without a URL: serve the current model with `vllm serve` for this phase only,
+        so the GPU is free again when finetune starts (the original system left it allocated)."""
+        import contextlib
+
+        if self.cfg["backend"] != "openai" or self.cfg["openai"]["base_url"]:
+            return contextlib.nullcontext(None)
+        from gsm8kctl.models import resolve_model
+        from gsm8kctl.serve import VLLMServer
+
+        return VLLMServer(resolve_model(model), log_path=self.run_dir / "vllm-server.log", cfg=self.cfg)
+
+    def _sampling_stage(self, model: str, *args: str) -> None:
+        with self._server_for(model) as server:
+            extra = [f"openai.base_url={server.base_url}"] if server is not None else []
+            self._stage(*args, *extra)
+
+    def _stage(self, *args: str) -> None:
+        """Run one stage command on the run's resolved config; a failure stops the loop."""
+
+        def remember(stage: StageRecord) -> None:
+            self.state.update(stage.to_state())  # the supervisor's group, and the token that proves it
+            self._save_state(self.run_dir, self.state)
+
+        # vLLM's start-up warnings (no Triton, eager mode...) would bury the loop's own lines.
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+        rc = run_stage([*args, "--config", self.config_path], on_start=remember, env=env)
+        if rc != 0:
+            raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}; fix the cause and rerun the "
+                            "same command to resume")
+
+
+# ---------------------------------------------------------------------------------------------
+# This process
+
+
+class InProcessEngine:
+    name = "inprocess"
+
+    def __init__(self, cfg: dict, run_dir: Path, *, quiet: bool):
+        self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
+        self.trainer = None          # training.Trainer, opened at the first finetune
+        self.sampler = None          # backends.transformers.TransformersBackend, at the first sampling
+        self.sampler_weights = None  # the model directory whose weights the sampler holds now
+        self._planned = False
+
+    # ------------------------------------------------------------------ phases
+    def gold_samples(self, out: Path, n_problems: int) -> None:
+        from gsm8kctl.stages.filter import run_filter
+
+        run_filter([], str(out), self.cfg, gold=True, split="train", n_problems=n_problems, quiet=True)
+
+    def finetune(self, samples_path: Path, steps: int, objective: str | None = None) -> dict:
+        """One phase on the resident trainer, checked like the stage; then the sampler takes its weights."""
+        from gsm8kctl.config import set_value
+        from gsm8kctl.stages.finetune import _check_finetune_config, _load_and_check, _resolve_start, \
+            resolve_objective
+
+        cfg = json.loads(json.dumps(self.cfg))  # the phase's copy, as the stage gets it from its options
+        set_value(cfg, "finetune.steps", steps)
+        objective = resolve_objective(cfg, objective)
+        set_value(cfg, "finetune.objective", objective)
+        _check_finetune_config(cfg["finetune"])
+        start, resume, note = _resolve_start(self.run_dir, None, cfg)
+        samples = _load_and_check([str(samples_path)], start, cfg, objective)
+        if self.trainer is None:
+            from gsm8kctl.training import Trainer
+
+            say(note, self.quiet)
+            t0 = time.perf_counter()
+            self.trainer = Trainer(cfg, self.run_dir, start=start, resume=resume, quiet=self.quiet)
+            say(f"trainer ready in {time.perf_counter() - t0:.1f} s (kept for the whole run)", self.quiet)
+        t0 = time.perf_counter()
+        result = self.trainer.run(samples, cfg, source=[str(samples_path)])
+        info = {"train_s": round(time.perf_counter() - t0, 3)}
+        if result["steps_run"]:
+            info["refresh_s"] = self._refresh_sampler(Path(result["checkpoint"]))
+        self._say_memory()
+        return info
+
+    def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None) -> None:
+        from gsm8kctl.stages.evaluate import evaluate
+
+        evaluate(self._cfg_for(model), out_dir=str(out_dir), limit=limit,
+                 calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
+                 backend=self._sampler(model), model_label=model, quiet=True)
+
+    def sample(self, model: str, problem_ids: list[str], iteration: int, out: Path) -> None:
+        from gsm8kctl.stages.sample import sample
+
+        sample(self._cfg_for(model), out=str(out), split="train", problem_ids=problem_ids,
+               calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
+               backend=self._sampler(model), quiet=True)
+
+    def filter(self, tapes: Path, out: Path) -> None:
+        from gsm8kctl.stages.filter import run_filter
+
+        run_filter([str(tapes)], str(out), self.cfg, quiet=True)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+
+    # ------------------------------------------------------------------ the sampler
+    def _cfg_for(self, model: str) -> dict:
+        """The run's config with `model` set, as the stage command gets it from `--model`."""
+        return {**self.cfg, "model": model}
+
+    def _sampler(self, model: str):
+        """The resident sampler, holding `model`'s weights: loaded once, then refreshed in place."""
+        from gsm8kctl.models import resolve_model
+
+        path = Path(resolve_model(model)).resolve()
+        if self.sampler is None:
+            from gsm8kctl.backends.transformers import TransformersBackend
+
+            t0 = time.perf_counter()
+            self.sampler = TransformersBackend(str(path), self.cfg)
+            self.sampler_weights = path
+            say(f"sampler ready in {time.perf_counter() - t0:.1f} s (kept for the whole run)", self.quiet)
+        elif self.sampler_weights != path:
+            # Not the weights the trainer last gave it (a checkpoint put there by hand, say): load them.
+            self._load_sampler_weights(path)
+        return self.sampler
+
+    def _refresh_sampler(self, ckpt: Path) -> float | None:
+        """Copy the trainer's weights into the sampler in place; the seconds it took."""
+        if self.sampler is None:
+            return None
+        import torch
+
+        t0 = time.perf_counter()
+        source = self.trainer.lm.state_dict()
+        with torch.no_grad():
+            for name, tensor in self.sampler.model_obj.state_dict().items():
+                tensor.copy_(source[name])
+        if self.sampler.device == "cuda":
+            torch.cuda.synchronize()
+        self.sampler_weights = ckpt.resolve()
+        return round(time.perf_counter() - t0, 4)
+
+    def _load_sampler_weights(self, path: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        fresh = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict()
+        with torch.no_grad():
+            for name, tensor in self.sampler.model_obj.state_dict().items():
+                tensor.copy_(fresh[name])
+        self.sampler_weights = path
+
+    def _say_memory(self) -> None:
+        """Once, when trainer and sampler both exist: what each holds, beside what is free."""
+        if self._planned or self.quiet or self.trainer is None or self.sampler is None:
+            return
+        self._planned = True
+        say(memory_plan(self.trainer, self.sampler))
+
+
+def memory_plan(trainer, sampler) -> str:
+    """One line: the trainer's resident bytes, the sampler's weights and KV cache, what is free."""
+    import torch
+
+    params = sum(p.numel() for p in trainer.lm.parameters())
+    # fp32 weights + fp32 gradients + AdamW's two moments: 16 bytes per parameter.
+    train_gb = params * 16 / 2**30
+    s_bytes = next(sampler.model_obj.parameters()).element_size()
+    sample_gb = params * s_bytes / 2**30
+    engine = getattr(sampler, "_engine", None)
+    kv = ""
+    if engine is not None:
+        kv_gb = engine.kv.numel() * engine.kv.element_size() / 2**30
+        kv = f", KV cache {kv_gb:.2f} GB ({engine.slots} slots x {engine.max_len} tokens)"
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0] / 2**30
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        where = f"; GPU free now {free:.1f} GB, peak allocated {peak:.1f} GB"
+    else:
+        import psutil
+
+        where = f"; RAM available {psutil.virtual_memory().available / 2**30:.1f} GB"
+    return (f"memory: trainer {train_gb:.2f} GB resident ({params / 1e6:.0f}M parameters: fp32 weights, "
+            f"gradients, AdamW moments), sampler weights {sample_gb:.2f} GB{kv}{where}")
