@@ -126,6 +126,7 @@ def sample(
     overrides: Overrides = None,
 ):
     """Sample ATTEMPTS completions per problem; append tapes (rerun = resume)."""
+    from gsm8kctl.progress import say
     from gsm8kctl.stages.sample import sample as run
 
     cfg = _config(config, overrides, model=model, backend=backend, attempts=attempts,
@@ -135,9 +136,8 @@ def sample(
     ids = [p.strip() for p in problem_ids.split(",") if p.strip()] if problem_ids else None
     result = run(cfg, out=out, split=split, n_problems=n_problems, problem_ids=ids, calls_db=llm_calls,
                  iteration=iteration, quiet=quiet)
-    if not quiet:
-        typer.echo(f"{result['tapes']} tapes written ({result['skipped']} already there), "
-                   f"{result['tokens_per_s']:.0f} tok/s", err=True)
+    say(f"{result['tapes']} tapes written ({result['skipped']} already there), {result['tokens_per_s']:.0f} tok/s",
+        quiet)
 
 
 @app.command()
@@ -238,6 +238,7 @@ def finetune(
     quiet: QuietOpt = False,
 ):
     """Train the latest checkpoint (or --init) on samples; resumable, multi-process with accelerate."""
+    from gsm8kctl.progress import say
     from gsm8kctl.stages.finetune import run_finetune
 
     paths, overrides = _split_paths(samples)
@@ -247,7 +248,7 @@ def finetune(
     summary = run_finetune(paths, out, cfg, init=init, objective=objective, num_processes=num_processes,
                            steps=steps, max_steps=max_steps, quiet=quiet)
     if not quiet and summary:
-        typer.echo(json.dumps(summary, allow_nan=False), err=True)
+        say(json.dumps(summary, allow_nan=False), verbatim=True)
 
 
 @app.command(context_settings={"allow_extra_args": False})

@@ -10,9 +10,12 @@ from rich.console import Console
 console = Console(stderr=True)
 
 
-def say(message: str, quiet: bool = False) -> None:
+def say(message: str, quiet: bool = False, *, verbatim: bool = False) -> None:
+    """One line of talk on stderr. `verbatim`: print the text as it is, no rich markup or :emoji:
+    codes (for text we did not write: an exception's message, JSON)."""
     if not quiet:
-        console.print(message, highlight=False, soft_wrap=True)  # one message = one line, at any width
+        console.print(message, highlight=False, soft_wrap=True,  # one message = one line, at any width
+                      markup=not verbatim, emoji=not verbatim)
 
 
 class Progress:

@@ -33,6 +33,7 @@ from gsm8kctl.backends.base import Completion, SamplingParams
 from gsm8kctl.errors import UserError
 from gsm8kctl.logprobs import token_budget_batches
 from gsm8kctl.models import load_tokenizer, stop_token_ids
+from gsm8kctl.progress import say
 
 # SamplingParams.extra keys passed through to vLLM; everything else in `extra` is bookkeeping.
 PASSTHROUGH_EXTRA = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -189,7 +190,7 @@ def _shutdown(llm) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception as e:  # noqa: BLE001 - best effort, we are closing anyway
-        print(f"warning: vLLM engine shutdown: {e}", file=sys.stderr)
+        say(f"warning: vLLM engine shutdown: {e}", verbatim=True)
     import gc
 
     del llm

@@ -19,7 +19,6 @@ the model's chat template, the solution rewritten to the agent's answer format.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -27,6 +26,7 @@ from typing import Callable, Iterable, Sequence
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import write_jsonl
 from gsm8kctl.paths import check_output_file
+from gsm8kctl.progress import console, say
 from gsm8kctl.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
 from gsm8kctl.tapes import check_tape
 
@@ -392,12 +392,9 @@ def run_filter(
                                        ref_backend=ref_backend)
     write_jsonl(out, samples)
     if not quiet:
-        from rich.console import Console
-
-        console = Console(stderr=True)
         console.print(report.table())
         if not samples:
             console.print("[yellow]warning:[/] no samples kept; finetune would have nothing to train on")
     elif not samples:
-        print("warning: no samples kept", file=sys.stderr)
+        say("warning: no samples kept")
     return report
