@@ -353,6 +353,13 @@ def test_bad_loop_config_is_refused_before_any_work(tmp_path):
     proc = run_cli("loop", "--run-dir", str(tmp_path / "run"), "attempts=8", "max_agent_forks=4")
     assert proc.returncode == 2 and "max_agent_forks >= attempts" in proc.stderr
     assert not (tmp_path / "run").exists()
+    for bad, says in ((["loop.engine=inprocess", "backend=vllm"], "loop.engine=inprocess samples with the "
+                       "transformers backend, got backend=vllm"),
+                      (["loop.engine=inprocess", "finetune.num_processes=2"], "loop.engine=inprocess trains in "
+                       "one process, got finetune.num_processes=2")):
+        proc = run_cli("loop", "--run-dir", str(tmp_path / "run"), *bad)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------------------------------------
