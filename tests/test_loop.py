@@ -75,6 +75,11 @@ def test_loop_layout_and_metrics(reference_run):
     # save_checkpoint_steps=2 set: the old fixed count per iteration, 2 steps of 2 on 8 samples.
     assert (first["train_steps"], first["train_passes"], first["train_steps_mode"]) == (2, 0.5, "fixed")
     assert first["train_ratio_max"] is not None and first["train_kl_max"] is None  # no reference model
+    # The means over this iteration's finetune steps, from finetune/metrics.jsonl.
+    steps = list(read_jsonl(run / "finetune" / "metrics.jsonl"))
+    assert first["train_loss_mean"] == round(sum(r["loss"] for r in steps) / 2, 4)
+    assert first["train_entropy_mean"] == round(sum(r["entropy"] for r in steps) / 2, 4) > 0
+    assert first["train_kl_mean"] is None
     assert [r["warnings"] for r in rows] == [[], []]
     stderr = (run.parent / "stderr.txt").read_text()
     assert "iteration 0: 2 optimizer steps of 2 samples on 8 samples = 0.5 passes " \
@@ -87,10 +92,11 @@ def test_loop_layout_and_metrics(reference_run):
 
 
 def _loop_without(tiny_model_dir: str, run_dir: Path, *extra: str, drop=()) -> subprocess.CompletedProcess:
-    """TINY_RUN without the `drop` overrides, plus `extra`; no evaluation (not needed, and slow)."""
+    """TINY_RUN without the `drop` overrides, plus `extra`; no evaluation (not needed, and slow);
+    in-process (seconds instead of a process per phase; the engines agree, tested below)."""
     args = [a for a in TINY_RUN if not a.startswith(tuple(drop))]
     proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run_dir), *args,
-                   "test_every_n_iterations=0", *extra)
+                   "test_every_n_iterations=0", "loop.engine=inprocess", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -333,6 +339,38 @@ def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _summary(run_dir) == _summary(reference_run)
+
+
+def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, tmp_path):
+    """Issue 11's scripts: the gold-SFT control trains as many completion tokens as the RL run had
+    before each of its evaluations, evaluates at the same points; the report tabulates both."""
+    control = tmp_path / "control"
+    proc = subprocess.run([sys.executable, "scripts/sft_control.py", str(control), "--like", str(reference_run),
+                           "--gold-problems", "64"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl = list(read_jsonl(reference_run / "metrics.jsonl"))
+    rows = list(read_jsonl(control / "metrics.jsonl"))
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in rl] == [0, 1]
+    assert all(r["test_n"] == 3 for r in rows)  # the RL run's eval_limit
+    rl_tokens = sum(r["completion_tokens"] for r in read_jsonl(reference_run / "finetune" / "metrics.jsonl"))
+    assert "train_steps_total" not in rows[0] and rows[1]["train_tokens_target"] == rl_tokens
+    trained = sum(r["completion_tokens"] for r in read_jsonl(control / "finetune" / "metrics.jsonl"))
+    assert [r["step"] for r in read_jsonl(control / "finetune" / "metrics.jsonl")] == \
+        list(range(1, rows[1]["train_steps_total"] + 1))
+    assert trained >= rl_tokens  # gold steps until the RL run's tokens are reached
+    assert rows[1]["model"].endswith(f"step-{rows[1]['train_steps_total']:06d}")
+    report = subprocess.run([sys.executable, "scripts/results_report.py", f"{reference_run}=RL", f"{control}=SFT",
+                             "--plot", str(tmp_path / "r.png"), "--json", str(tmp_path / "r.json")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    table = {line.split("|")[1].strip(): line for line in report.stdout.splitlines()[2:]}
+    assert f"| {rl[-1]['test_accuracy_strict'] * 100:.2f} % |" in table["RL"]
+    assert f"| {sum(r.get('attempts', 0) for r in rl)} | {sum(r.get('samples_kept', 0) for r in rl)} |" \
+        in table["RL"]
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [r["label"] for r in saved["runs"]] == ["RL", "SFT"]
 
 
 def test_second_loop_on_same_run_dir_is_refused(tiny_model_dir, tmp_path):

@@ -109,22 +109,30 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
     return out
 
 
-def _finetune_extremes(run_dir: Path, samples_path: Path) -> dict:
-    """Largest mean ratio and KL over the finetune steps that trained on this samples file."""
+def _finetune_summary(run_dir: Path, samples_path: Path) -> dict:
+    """Over the finetune steps that trained on this samples file: the largest mean ratio and KL
+    (the guard reads these), and the mean loss, entropy and KL (the learning curves plot these)."""
     from gsm8kctl.training import METRICS_FILE as FINETUNE_METRICS
     from gsm8kctl.training import fingerprint
 
     path = run_dir / FINETUNE_DIR / FINETUNE_METRICS
     samples = list(read_jsonl(samples_path)) if samples_path.exists() else []
-    out = {"train_ratio_max": None, "train_kl_max": None}
+    out = dict.fromkeys(("train_ratio_max", "train_kl_max", "train_loss_mean", "train_entropy_mean",
+                         "train_kl_mean"))
     if not samples or not path.exists():
         return out
     fp = fingerprint(samples)  # finetune tags each step's line with its samples' fingerprint
     lines = [r for r in read_jsonl(path, repair_tail=True) if r.get("phase") == fp]
-    for key, src in (("train_ratio_max", "ratio_mean"), ("train_kl_max", "kl")):
+    for key, src, reduce in (("train_ratio_max", "ratio_mean", max), ("train_kl_max", "kl", max),
+                             ("train_loss_mean", "loss", _mean), ("train_entropy_mean", "entropy", _mean),
+                             ("train_kl_mean", "kl", _mean)):
         values = [r[src] for r in lines if r.get(src) is not None]
-        out[key] = round(max(values), 4) if values else None
+        out[key] = round(reduce(values), 4) if values else None
     return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +305,7 @@ class _Context:
             })
             plan = iteration_steps(row["samples_kept"], self.cfg["finetune"])
             row.update(train_steps=plan["steps"], train_passes=plan["passes"], train_steps_mode=plan["mode"],
-                       **_finetune_extremes(self.run_dir, samples_path))
+                       **_finetune_summary(self.run_dir, samples_path))
             secs = self.state["timings"].get(str(it), {}).get("sample")
             if secs:
                 row["sample_tokens_per_s"] = round(sum(len(t["completion_token_ids"]) for t in tapes) / secs, 1)

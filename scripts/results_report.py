@@ -1,0 +1,141 @@
+"""The results table and learning-curve plot of several loop runs, from their metrics.jsonl.
+
+    python scripts/results_report.py runs/rs=rejection runs/reinforce=REINFORCE runs/grpo=GRPO \
+        --reference "base zero-shot=runs/base0/metrics.json" --plot docs/results.png --json docs/results.json
+
+Each RUN[=LABEL] is a loop run directory. Per run, one table row:
+- test strict and lenient accuracy at the last evaluation and at the best one (by strict), with
+  the iteration of the best;
+- wall time: the sum of every recorded phase's seconds (state.json timings), warm start excluded
+  (it is shared by runs that start from the same checkpoint), and the same up to the best;
+- samples used: attempts sampled and samples trained, summed over the iterations.
+
+`--reference LABEL=PATH` adds a row from an `evaluate` metrics.json (the base model zero-shot,
+4-shot, ...). The plot has one panel per curve (test strict, test lenient, train success,
+pass@k, mean KL to the reference, mean entropy, mean completion length) against cumulative wall
+time, one line per run. The markdown table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+CURVES = (("test_accuracy_strict", "test strict"), ("test_accuracy_lenient", "test lenient"),
+          ("train_success_rate", "train success"), ("pass_at_k", "train pass@k (k = attempts)"),
+          ("train_kl_mean", "KL to reference (mean per step)"), ("train_entropy_mean", "entropy (mean per step)"),
+          ("mean_output_tokens", "mean completion tokens"))
+
+
+def load_run(path: Path, label: str) -> dict:
+    rows = [json.loads(line) for line in open(path / "metrics.jsonl", encoding="utf-8")]
+    rows.sort(key=lambda r: r["iteration"])
+    # An iteration evaluates first, then samples and trains: its test point is at the end of its
+    # evaluate, its train point at the end of the iteration (weights_refresh is inside finetune).
+    elapsed, eval_elapsed, t = [], [], 0.0
+    for r in rows:
+        secs = r.get("seconds", {})
+        eval_elapsed.append(round(t + secs.get("evaluate", 0.0), 1))
+        t += sum(v for k, v in secs.items() if k != "weights_refresh")
+        elapsed.append(round(t, 1))
+    evals = [(r, e) for r, e in zip(rows, eval_elapsed) if r.get("test_accuracy_strict") is not None]
+    out = {"label": label, "run": str(path), "rows": rows, "elapsed_s": elapsed, "eval_elapsed_s": eval_elapsed,
+           "attempts": sum(r.get("attempts", 0) for r in rows),
+           "samples_trained": sum(r.get("samples_kept", 0) for r in rows), "wall_s": elapsed[-1] if rows else 0}
+    if evals:
+        last, _ = evals[-1]
+        best, best_t = max(evals, key=lambda x: (x[0]["test_accuracy_strict"], -x[0]["iteration"]))
+        out.update(final_strict=last["test_accuracy_strict"], final_lenient=last.get("test_accuracy_lenient"),
+                   best_strict=best["test_accuracy_strict"], best_lenient=best.get("test_accuracy_lenient"),
+                   best_iteration=best["iteration"], best_wall_s=best_t, test_n=last.get("test_n"),
+                   first_strict=evals[0][0]["test_accuracy_strict"])
+    return out
+
+
+def value(row: dict, key: str):
+    """A curve's value in one metrics row; pass_at_k is {k: rate}: its largest k."""
+    v = row.get(key)
+    if isinstance(v, dict):
+        v = v[max(v, key=int)] if v else None
+    return v
+
+
+def pct(v) -> str:
+    return "–" if v is None else f"{v * 100:.2f} %"
+
+
+def table(runs: list[dict], references: list[tuple[str, dict]]) -> str:
+    lines = ["| method | test strict (end) | test lenient (end) | best strict (iteration) | best lenient | "
+             "first → end strict | wall time | to best | attempts sampled | samples trained |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, m in references:
+        lines.append(f"| {label} | {pct(m['accuracy_strict'])} | {pct(m['accuracy_lenient'])} | – | – | – | "
+                     f"{m.get('seconds', 0):.0f} s (eval) | – | – | – |")
+    for r in runs:
+        ratio = (f"{r['final_strict'] / r['first_strict']:.2f}×" if r.get("first_strict") else "–") \
+            if "final_strict" in r else "–"
+        best = f"{pct(r.get('best_strict'))} ({r.get('best_iteration', '–')})"
+        lines.append(f"| {r['label']} | {pct(r.get('final_strict'))} | {pct(r.get('final_lenient'))} | {best} | "
+                     f"{pct(r.get('best_lenient'))} | {ratio} | {r['wall_s'] / 60:.1f} min | "
+                     f"{r.get('best_wall_s', 0) / 60:.1f} min | {r['attempts']} | {r['samples_trained']} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], references: list[tuple[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    for ax, (key, title) in zip(axes.flat, CURVES):
+        for r in runs:
+            times = r["eval_elapsed_s"] if key.startswith("test_") else r["elapsed_s"]
+            pts = [(t / 60, value(row, key)) for row, t in zip(r["rows"], times) if value(row, key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=r["label"])
+        if key.startswith("test_accuracy"):
+            src = "accuracy_strict" if key.endswith("strict") else "accuracy_lenient"
+            for label, m in references:
+                ax.axhline(m[src], ls=":", lw=1, color="grey")
+                ax.annotate(label, (0, m[src]), fontsize=7, color="grey", va="bottom")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("wall time (min, warm start excluded)", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes.flat[-1].axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    axes.flat[-1].legend(handles, labels, loc="center")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="RUN_DIR or RUN_DIR=LABEL")
+    ap.add_argument("--reference", action="append", default=[], help="LABEL=PATH/metrics.json of an evaluate run")
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    runs = []
+    for spec in args.runs:
+        path, _, label = spec.partition("=")
+        runs.append(load_run(Path(path), label or Path(path).name))
+    references = []
+    for spec in args.reference:
+        label, _, path = spec.partition("=")
+        references.append((label, json.loads(Path(path).read_text(encoding="utf-8"))))
+    print(table(runs, references))
+    if args.plot:
+        plot(runs, references, args.plot)
+    if args.json:
+        args.json.write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "rows"} for r in runs],
+                                         "references": dict(references)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
