@@ -158,6 +158,7 @@ class InProcessEngine:
         self.trainer = None          # training.Trainer, opened at the first finetune
         self.sampler = None          # backends.transformers.TransformersBackend, at the first sampling
         self.sampler_weights = None  # the model directory whose weights the sampler holds now
+        self.ref = None              # the reference model's scorer (filter.ref_model), at the first filter
         self._planned = False
 
     # ------------------------------------------------------------------ phases
@@ -211,15 +212,29 @@ class InProcessEngine:
     def filter(self, tapes: Path, out: Path) -> None:
         from gsm8kctl.stages.filter import run_filter
 
-        run_filter([str(tapes)], str(out), self.cfg, quiet=True)
+        run_filter([str(tapes)], str(out), self.cfg, quiet=True, scorer=self._ref_scorer())
+
+    def _ref_scorer(self):
+        """filter.ref_model on the transformers backend, loaded once; None: the stage opens its own."""
+        from gsm8kctl.backends import resolve_backend_name
+
+        ref = self.cfg["filter"]["ref_model"]
+        if ref is None or resolve_backend_name(self.cfg["filter"]["ref_backend"]) != "transformers":
+            return None  # (a vLLM scorer would hold its GPU share between phases)
+        if self.ref is None:
+            from gsm8kctl.stages.filter import _open_scorer
+
+            self.ref = _open_scorer(ref, "transformers", self.cfg)
+        return self.ref.score
 
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
             self.trainer = None
-        if self.sampler is not None:
-            self.sampler.close()
-            self.sampler = None
+        for name in ("sampler", "ref"):
+            if getattr(self, name) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
 
     # ------------------------------------------------------------------ the sampler
     def _cfg_for(self, model: str) -> dict:

@@ -341,6 +341,22 @@ def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny
     assert _summary(run_dir) == _summary(reference_run)
 
 
+def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path):
+    """filter.ref_model in-process: one resident scorer gives every sample its ref_logprobs, and the
+    KL term then shows in the iteration's metrics."""
+    run = tmp_path / "run"
+    _loop_without(tiny_model_dir, run, f"filter.ref_model={tiny_model_dir}", "finetune.rl.kl_coef=0.1")
+    samples = list(read_jsonl(run / "iterations" / "0000" / "samples.jsonl"))
+    assert len(samples) == 8
+    for s in samples:
+        n = len(s["input_ids"]) - s["prompt_len"]
+        assert len(s["ref_logprobs"]) == len(s["old_logprobs"]) == n
+        # Iteration 0 samples with the reference's own weights: the two agree up to bf16 noise.
+        assert max(abs(a - b) for a, b in zip(s["ref_logprobs"], s["old_logprobs"])) < 0.5
+    row = list(read_jsonl(run / "metrics.jsonl"))[0]
+    assert row["train_kl_mean"] is not None and row["train_kl_max"] >= row["train_kl_mean"] >= 0
+
+
 def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, tmp_path):
     """Issue 11's scripts: the gold-SFT control trains as many completion tokens as the RL run had
     before each of its evaluations, evaluates at the same points; the report tabulates both."""

@@ -356,10 +356,13 @@ def run_filter(
     n_problems: int | None = None,
     data_dir: str | None = None,
     quiet: bool = False,
+    scorer: Scorer | None = None,
 ) -> FilterReport:
     """`gsm8kctl filter`: write samples to `out` (atomic file or `-`), report on stderr.
 
     Rerunning with the same arguments rewrites the same file: nothing is ever appended twice.
+    `scorer` (a `Backend.score`) stands for the reference model when tapes are filtered: the
+    loop's in-process engine keeps one loaded for the whole run.
     """
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
@@ -389,7 +392,7 @@ def run_filter(
             raise UserError("no tapes given: pass tapes files or - for stdin (or --gold)")
         samples, report = filter_tapes(read_tapes(inputs), cfg, mode=mode, max_per_problem=max_per_problem,
                                        drop_uniform_groups=drop_uniform_groups, ref_model=ref_model,
-                                       ref_backend=ref_backend)
+                                       ref_backend=ref_backend, scorer=scorer)
     write_jsonl(out, samples)
     if not quiet:
         console.print(report.table())
