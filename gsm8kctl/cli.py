@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from gsm8kctl.config import load_config
-from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, UserError
+from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, UserError
 
 app = typer.Typer(
     help="Rejection sampling and REINFORCE-style RL for GSM8k. Every stage reads and writes files; "
@@ -65,6 +65,11 @@ def _handle_errors(fn):
                 raise
             typer.echo(f"Error: {exc}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT)
+        except StageFailed as exc:
+            if os.environ.get("GSM8KCTL_DEBUG"):
+                raise
+            typer.echo(f"Error: {exc}", err=True)
+            raise typer.Exit(EXIT_INTERNAL)
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except BrokenPipeError:

@@ -5,6 +5,10 @@ class UserError(Exception):
     """Bad input from the user: printed as one line on stderr, exit code 2, no traceback."""
 
 
+class StageFailed(Exception):
+    """A child (a stage, a training worker) failed or died: one line on stderr, exit code 1."""
+
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2

@@ -308,8 +308,10 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if resume:
             sdir = Path(start) / TRAINING_STATE_DIR
-            self.optimizer.load_state_dict(torch.load(sdir / OPTIMIZER_FILE, map_location=self.device,
-                                                      weights_only=False))
+            # Under gloo the device is `cpu:0`, which torch.load cannot map to; the optimizer moves
+            # each state tensor to its parameter's device anyway.
+            where = self.device if self.device.type == "cuda" else "cpu"
+            self.optimizer.load_state_dict(torch.load(sdir / OPTIMIZER_FILE, map_location=where, weights_only=False))
             rng_file = sdir / f"rng-{self.rank}.pt"
             if rng_file.exists():  # absent when the process count changed
                 _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -268,6 +268,72 @@ def test_two_processes_match_one(tiny_model_dir, tmp_path):
 # Bad input: one clear UserError before any training
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def _rank_pids(root: int, rank: int) -> list[int]:
+    """Training workers of `rank` below `root` (torchrun gives each its RANK)."""
+    from gsm8kctl.procs import live_descendants
+
+    found = []
+    for pid in live_descendants(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            found.append(pid)
+    return found
+
+
+def test_a_dead_rank_stops_the_others_with_one_clear_line(tiny_model_dir, tmp_path):
+    """kill -9 of rank 1 mid-training: rank 0 does not hang in its all-reduce, finetune exits within
+    finetune.nccl_timeout_s with one line, no process is left, and the same command resumes."""
+    from gsm8kctl.procs import live_descendants
+
+    path = _write(tmp_path / "s.jsonl", _samples(n=16))
+    out = tmp_path / "out"
+    timeout_s = 30
+    cmd = [sys.executable, "-m", "gsm8kctl", "finetune", str(path), "--out", str(out), "--init", tiny_model_dir,
+           "--num-processes", "2", "--steps", "400", "-q", *TINY, "use_rejection_sampling=false",
+           "finetune.gradient_accumulation_passes=1", f"finetune.nccl_timeout_s={timeout_s}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = out / "finetune" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.time() < deadline, "training did not start"
+        time.sleep(0.1)
+    victims = _rank_pids(proc.pid, 1)
+    assert victims, "no rank-1 worker found"
+    t0 = time.time()
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=timeout_s + 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.time() - t0
+    assert proc.returncode == 1, err[-2000:]
+    assert took < timeout_s, f"the surviving rank took {took:.0f} s to stop"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("Error: a finetune worker failed (exit ") and "rerun the same command" in last, last
+    launch = str(out / "finetune" / "launch.json")  # on every worker's command line
+    left = [p for p in live_descendants(1) if launch in _cmdline(p)]
+    assert not left, f"workers left running: {left}"
+    # The last checkpoint is intact and the same command (fewer steps, to keep it short) resumes from it.
+    done = rundir.checkpoint_step(rundir.latest_checkpoint(out))
+    again = subprocess.run([*cmd[:cmd.index("--steps") + 1], str(done + 2), *cmd[cmd.index("--steps") + 2:]],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert rundir.checkpoint_step(rundir.latest_checkpoint(out)) == done + 2
+
+
 def test_bad_inputs(tiny_model_dir, tmp_path):
     cfg = _cfg()
     out = str(tmp_path / "out")

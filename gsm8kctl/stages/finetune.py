@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gsm8kctl.errors import UserError
+from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.jsonl import atomic_write_json, write_jsonl
 from gsm8kctl.paths import check_output_dir, is_inside, same_file
 from gsm8kctl.procs import free_port
@@ -248,7 +248,9 @@ def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: boo
     if rc != 0:
         if rc == 2:
             raise UserError("finetune workers rejected their input (message above)")
-        raise RuntimeError(f"finetune workers failed with exit code {rc} (see their output above)")
+        # torchrun stops the other workers when one fails; a hung collective ends at nccl_timeout_s.
+        raise StageFailed(f"a finetune worker failed (exit {rc}, its output is above) and the others were "
+                          f"stopped; the last checkpoint in {out_dir} is intact: rerun the same command to resume")
     return json.loads((fdir / RESULT_FILE).read_text(encoding="utf-8"))
 
 
