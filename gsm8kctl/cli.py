@@ -153,6 +153,7 @@ def evaluate(
     backend: BackendOpt = None,
     base_url: BaseUrlOpt = None,
     limit: Annotated[Optional[int], typer.Option(help="First K test problems (default: all 1319).")] = None,
+    problem_ids: Annotated[Optional[str], typer.Option(help="Comma-separated ids instead, e.g. test-00042.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option()] = None,
     iteration: Annotated[int, typer.Option(help="Iteration number recorded in the tapes.")] = 0,
     llm_calls: CallsOpt = None,
@@ -168,8 +169,9 @@ def evaluate(
 
     cfg = _config(config, overrides, model=model, backend=backend,
                   **{"openai.base_url": base_url, "evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
+    ids = [p.strip() for p in problem_ids.split(",") if p.strip()] if problem_ids else None
     metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
-                  calls_db=llm_calls, iteration=iteration, quiet=quiet)
+                  calls_db=llm_calls, iteration=iteration, quiet=quiet, problem_ids=ids)
     if json_out:
         typer.echo(json.dumps(metrics, allow_nan=False))
     elif not quiet:

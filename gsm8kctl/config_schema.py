@@ -145,6 +145,7 @@ class Sampling:
     top_p: Annotated[float, Range(gt=0, le=1)]        # 0 would keep no token
     max_tokens: Count
     batch_size: Count
+    num_processes: Count                              # the loop's sampler processes (shards.py)
     max_slots: Optional[Count]                        # null = sized from free GPU memory
     # Above 0.95 the weights, activations and the allocator's slack no longer fit beside it.
     kv_memory_fraction: Annotated[float, Range(gt=0, le=0.95)]
@@ -285,6 +286,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: c["loop"]["engine"] != "inprocess" or c["backend"] in ("auto", "transformers"),
          lambda c: f"loop.engine=inprocess samples with the transformers backend, got backend={c['backend']} "
                    "(use loop.engine=processes or auto)",
+         commands=("loop",)),
+    Rule(("loop.engine", "sampling.num_processes"),
+         lambda c: c["loop"]["engine"] != "inprocess" or c["sampling"]["num_processes"] == 1,
+         lambda c: f"loop.engine=inprocess samples in one process, got sampling.num_processes="
+                   f"{c['sampling']['num_processes']} (use loop.engine=processes or auto)",
          commands=("loop",)),
     Rule(("loop.engine", "finetune.num_processes"),
          lambda c: c["loop"]["engine"] != "inprocess" or c["finetune"]["num_processes"] == 1,

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from gsm8kctl.errors import UserError
+from gsm8kctl.jsonl import read_jsonl
 from gsm8kctl.procs import StageRecord, run_stage
 from gsm8kctl.progress import say
 from gsm8kctl.tapes import LLM_CALLS_FILE
@@ -42,12 +43,14 @@ def choose_engine(cfg: dict) -> tuple[str, str]:
 
     want = cfg["loop"]["engine"]
     backend = resolve_backend_name(cfg["backend"])
-    nproc = int(cfg["finetune"]["num_processes"])
+    nproc, samplers = int(cfg["finetune"]["num_processes"]), int(cfg["sampling"]["num_processes"])
     blocker = None
     if backend != "transformers":
         blocker = f"backend {backend} samples in its own engine or server"
     elif nproc > 1:
         blocker = f"finetune.num_processes={nproc} trains under accelerate launch"
+    elif samplers > 1:
+        blocker = f"sampling.num_processes={samplers} samples in that many processes"
     if want == "processes":
         return "processes", "loop.engine=processes"
     if want == "inprocess":
@@ -97,16 +100,75 @@ class ProcessEngine:
         return {}
 
     def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None) -> None:
-        args = ["evaluate", "--model", model, "-o", str(out_dir), "--llm-calls", str(self.run_dir / LLM_CALLS_FILE),
-                "--quiet", "--iteration", str(iteration)]
-        if limit is not None:
-            args += ["--limit", str(limit)]
-        self._sampling_stage(model, *args)
+        args = ["evaluate", "--model", model, "--quiet", "--iteration", str(iteration)]
+        n = self._sampler_processes()
+        if n == 1:
+            extra = ["--limit", str(limit)] if limit is not None else []
+            self._sampling_stage(model, *args, *extra, "-o", str(out_dir),
+                                 "--llm-calls", str(self.run_dir / LLM_CALLS_FILE))
+            return
+        from gsm8kctl.data import load_problems
+        from gsm8kctl.stages.evaluate import eval_metrics
+        from gsm8kctl.tapes import METRICS_FILE, TAPES_FILE
+
+        ids = [p["id"] for p in load_problems("test", self.cfg["data_dir"])][:limit]
+        t0 = time.perf_counter()
+        # Each shard evaluates into its own directory (tapes, metrics, config) under shards/.
+        self._sharded(out_dir, out_dir / TAPES_FILE, ids, n, lambda k, part, d: (
+            [*args, "--problem-ids", ",".join(part), "-o", str(d / f"eval-{k}"),
+             "--llm-calls", str(d / f"llm_calls-{k}.sqlite")], d / f"eval-{k}" / TAPES_FILE))
+        seconds = round(time.perf_counter() - t0, 2)
+        tapes = list(read_jsonl(out_dir / TAPES_FILE))
+        tokens = sum(len(t["completion_token_ids"]) for t in tapes if t.get("iteration", 0) == iteration)
+        from gsm8kctl.backends import resolve_backend_name
+        from gsm8kctl.jsonl import atomic_write_json
+
+        atomic_write_json(out_dir / METRICS_FILE, eval_metrics(
+            out_dir / TAPES_FILE, ids, iteration=iteration, model_label=model,
+            backend=resolve_backend_name(self.cfg["backend"]), split="test", seconds=seconds,
+            tokens_per_s=round(tokens / max(seconds, 1e-9), 1)))
 
     def sample(self, model: str, problem_ids: list[str], iteration: int, out: Path) -> None:
-        self._sampling_stage(model, "sample", "--model", model, "--problem-ids", ",".join(problem_ids),
-                             "--iteration", str(iteration), "-o", str(out),
-                             "--llm-calls", str(self.run_dir / LLM_CALLS_FILE), "--quiet")
+        args = ["sample", "--model", model, "--iteration", str(iteration), "--quiet"]
+        n = self._sampler_processes()
+        if n == 1:
+            self._sampling_stage(model, *args, "--problem-ids", ",".join(problem_ids), "-o", str(out),
+                                 "--llm-calls", str(self.run_dir / LLM_CALLS_FILE))
+            return
+        self._sharded(out.parent, out, problem_ids, n, lambda k, part, d: (
+            [*args, "--problem-ids", ",".join(part), "-o", str(d / f"tapes-{k}.jsonl"),
+             "--llm-calls", str(d / f"llm_calls-{k}.sqlite")], d / f"tapes-{k}.jsonl"))
+
+    def _sampler_processes(self) -> int:
+        return int(self.cfg["sampling"]["num_processes"])
+
+    def _sharded(self, phase_dir: Path, tapes_file: Path, ids: list[str], n: int, command) -> None:
+        """The phase as N stage processes over shards of `ids`, run side by side, then merged (shards.py)."""
+        from gsm8kctl import shards
+        from gsm8kctl.jsonl import atomic_write_json
+
+        parts = shards.split(ids, n)
+        d = phase_dir / shards.SHARDS_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        commands, envs, tapes_files, calls_files = [], [], [], []
+        for k, part in enumerate(parts):
+            args, tapes = command(k, part, d)  # the stage's arguments, and where its tapes land
+            commands.append([*args, "--config", self.config_path])
+            envs.append({**shards.shard_env(k), "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")})
+            tapes_files.append(tapes)
+            calls_files.append(d / f"llm_calls-{k}.sqlite")
+        spec = phase_dir / shards.SHARDS_DIR / "spec.json"
+        atomic_write_json(spec, {"commands": commands, "envs": envs})
+
+        def remember(stage: StageRecord) -> None:
+            self.state.update(stage.to_state())
+            self._save_state(self.run_dir, self.state)
+
+        rc = run_stage([str(spec)], on_start=remember, module="gsm8kctl.shards")
+        if rc != 0:
+            raise UserError(f"{commands[0][0]} failed in one of {len(parts)} sampler processes (exit {rc}) in "
+                            f"{self.run_dir}; fix the cause and rerun the same command to resume")
+        shards.merge(tapes_file, tapes_files, self.run_dir / LLM_CALLS_FILE, calls_files, ids)
 
     def filter(self, tapes: Path, out: Path) -> None:
         self._stage("filter", str(tapes), "-o", str(out), "--quiet")

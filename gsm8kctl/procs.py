@@ -222,12 +222,13 @@ class StageRecord:
         return True
 
 
-def run_stage(args: list[str], *, on_start=None, env: dict | None = None, grace_s: float = 5.0) -> int:
-    """Run `python -m gsm8kctl ARGS` supervised (dies with us, with all it starts); its exit code.
+def run_stage(args: list[str], *, on_start=None, env: dict | None = None, grace_s: float = 5.0,
+              module: str = "gsm8kctl") -> int:
+    """Run `python -m MODULE ARGS` supervised (dies with us, with all it starts); its exit code.
 
     `on_start(StageRecord)` is called once it runs. Ctrl-C here stops the whole tree before returning.
     """
-    proc = start_supervised([sys.executable, "-m", "gsm8kctl", *args], grace_s=grace_s,
+    proc = start_supervised([sys.executable, "-m", module, *args], grace_s=grace_s,
                             env={**os.environ, **(env or {})})
     if on_start:
         on_start(StageRecord(proc.pid, proc.token))

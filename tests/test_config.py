@@ -195,6 +195,7 @@ BAD = [
     ("transformers.static_cache=1", "transformers.static_cache", "one of auto, true, false, got 1"),
     ("transformers.dtype=fp16", "transformers.dtype", "one of auto, float32, bfloat16"),
     ("loop.engine=threads", "loop.engine", "one of auto, inprocess, processes"),
+    ("sampling.num_processes=0", "sampling.num_processes", ">= 1"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb", ">= 1"),
     ("vllm.gpu_memory_utilization=0", "vllm.gpu_memory_utilization", "in (0, 1]"),
     ("vllm.gpu_memory_utilization=1.2", "vllm.gpu_memory_utilization", "in (0, 1]"),

@@ -389,6 +389,37 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
     assert [r["label"] for r in saved["runs"]] == ["RL", "SFT"]
 
 
+def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, reference_run, tmp_path):
+    """sampling.num_processes=2 (one sampler per GPU; here two CPU processes): killed while both
+    sample, then rerun, the run ends with the artifacts of the one-process run: one tapes file per
+    phase in problem order, one call log without duplicates."""
+    run_dir = tmp_path / "run"
+    cmd = [*_cmd(tiny_model_dir, run_dir), "sampling.num_processes=2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shard_dir = run_dir / "iterations" / "0000" / "shards"
+    _wait_for(lambda: all(_lines(shard_dir / f"tapes-{k}.jsonl") >= 1 for k in (0, 1)), proc)
+    child = _state(run_dir).get("child_pgid")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if child:  # the supervisor takes both samplers down with the loop; a machine crash would too
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not (run_dir / "iterations" / "0000" / "tapes.jsonl").exists()  # merged only once both finish
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _summary(run_dir) == _summary(reference_run)
+    order = next_problems(0, 4, 7473, seed=42)  # iteration 0's problems (max_agent_forks 8 / 2 attempts)
+    tapes = list(read_jsonl(run_dir / "iterations" / "0000" / "tapes.jsonl"))
+    assert [(t["problem_id"], t["attempt"]) for t in tapes] == [(p, a) for p in order for a in (0, 1)]
+    for sub in ("iterations/0000", "eval/0000", "eval/0001"):
+        assert (run_dir / sub / "shards").is_dir(), sub  # every sampling phase ran sharded
+    ev = json.loads((run_dir / "eval" / "0001" / "metrics.json").read_text())
+    ref = json.loads((reference_run / "eval" / "0001" / "metrics.json").read_text())
+    assert ev["n"] == ref["n"] == 3
+
+
 def test_second_loop_on_same_run_dir_is_refused(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,

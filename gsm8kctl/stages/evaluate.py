@@ -21,7 +21,8 @@ from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
 
 def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = "test",
              calls_db: str | None = None, iteration: int = 0, backend: Backend | None = None,
-             model_label: str | None = None, quiet: bool = False) -> dict:
+             model_label: str | None = None, quiet: bool = False,
+             problem_ids: list[str] | None = None) -> dict:
     # Every check before the model loads and before anything is written: a refused run writes nothing.
     out = Path(out_dir)
     tapes_path = out / TAPES_FILE
@@ -31,7 +32,7 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     existing = existing_output(str(tapes_path))
     if limit is not None and limit <= 0:
         raise UserError(f"--limit must be a positive number of problems, got {limit}")
-    problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=limit)
+    problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=limit, problem_ids=problem_ids)
     if cfg["agent"]["few_shot"] > 0:
         load_problems("train", cfg["data_dir"])  # the few-shot pool: checked now, cached for later
     params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=cfg["evaluation"]["max_tokens"],
@@ -51,22 +52,30 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     finally:
         if own:
             backend.close()
-    wanted = {p["id"] for p in problems}
+    metrics = eval_metrics(tapes_path, [p["id"] for p in problems], iteration=iteration, model_label=label,
+                           backend=backend.name, split=split, seconds=run["seconds"],
+                           tokens_per_s=run["tokens_per_s"])
+    atomic_write_json(out / METRICS_FILE, metrics)
+    return metrics
+
+
+def eval_metrics(tapes_path: Path, problem_ids: list[str], *, iteration: int, model_label: str, backend: str,
+                 split: str, seconds: float, tokens_per_s: float) -> dict:
+    """metrics.json of an evaluation: the tapes of these problems at this iteration."""
+    wanted = set(problem_ids)
     tapes = [t for t in read_jsonl(tapes_path) if t["problem_id"] in wanted and t.get("iteration", 0) == iteration]
     st = tape_stats(tapes)
-    metrics = {
+    return {
         "n": st["count"],
         "accuracy_strict": st["accuracy_strict"],
         "accuracy_lenient": st["accuracy_lenient"],
         "format_rate": st["format_rate"],
         "overflow_rate": st["overflow_rate"],
         "mean_output_tokens": st["tokens"]["completion"]["mean"],
-        "model": label,
-        "backend": backend.name,
+        "model": model_label,
+        "backend": backend,
         "split": split,
         "iteration": iteration,
-        "seconds": run["seconds"],
-        "tokens_per_s": run["tokens_per_s"],
+        "seconds": seconds,
+        "tokens_per_s": tokens_per_s,
     }
-    atomic_write_json(out / METRICS_FILE, metrics)
-    return metrics
