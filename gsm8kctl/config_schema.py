@@ -292,6 +292,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"loop.engine=inprocess samples in one process, got sampling.num_processes="
                    f"{c['sampling']['num_processes']} (use loop.engine=processes or auto)",
          commands=("loop",)),
+    Rule(("sampling.num_processes", "backend"),
+         lambda c: c["sampling"]["num_processes"] == 1 or c["backend"] != "openai",
+         lambda c: f"sampling.num_processes={c['sampling']['num_processes']} starts one sampler per GPU (backends "
+                   "transformers and vllm); with backend openai list several servers in openai.base_url instead",
+         commands=("loop",)),
     Rule(("loop.engine", "finetune.num_processes"),
          lambda c: c["loop"]["engine"] != "inprocess" or c["finetune"]["num_processes"] == 1,
          lambda c: f"loop.engine=inprocess trains in one process, got finetune.num_processes="

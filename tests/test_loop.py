@@ -441,7 +441,9 @@ def test_bad_loop_config_is_refused_before_any_work(tmp_path):
     for bad, says in ((["loop.engine=inprocess", "backend=vllm"], "loop.engine=inprocess samples with the "
                        "transformers backend, got backend=vllm"),
                       (["loop.engine=inprocess", "finetune.num_processes=2"], "loop.engine=inprocess trains in "
-                       "one process, got finetune.num_processes=2")):
+                       "one process, got finetune.num_processes=2"),
+                      (["sampling.num_processes=2", "backend=openai"], "sampling.num_processes=2 starts one "
+                       "sampler per GPU")):
         proc = run_cli("loop", "--run-dir", str(tmp_path / "run"), *bad)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
