@@ -280,6 +280,16 @@ class Rule:
     commands: tuple[str, ...] | None = None
 
 
+def _inprocess_needs_one(section: str, does: str) -> Rule:
+    """loop.engine=inprocess runs SECTION in the loop's own process: `SECTION.num_processes` must be 1."""
+    key = f"{section}.num_processes"
+    return Rule(("loop.engine", key),
+                lambda c: c["loop"]["engine"] != "inprocess" or c[section]["num_processes"] == 1,
+                lambda c: f"loop.engine=inprocess {does} in one process, got {key}={c[section]['num_processes']} "
+                          "(use loop.engine=processes or auto)",
+                commands=("loop",))
+
+
 RULES: tuple[Rule, ...] = (
     # In-process the loop itself samples and trains: with the transformers backend, in one process.
     Rule(("loop.engine", "backend"),
@@ -287,21 +297,13 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"loop.engine=inprocess samples with the transformers backend, got backend={c['backend']} "
                    "(use loop.engine=processes or auto)",
          commands=("loop",)),
-    Rule(("loop.engine", "sampling.num_processes"),
-         lambda c: c["loop"]["engine"] != "inprocess" or c["sampling"]["num_processes"] == 1,
-         lambda c: f"loop.engine=inprocess samples in one process, got sampling.num_processes="
-                   f"{c['sampling']['num_processes']} (use loop.engine=processes or auto)",
-         commands=("loop",)),
+    _inprocess_needs_one("sampling", "samples"),
     Rule(("sampling.num_processes", "backend"),
          lambda c: c["sampling"]["num_processes"] == 1 or c["backend"] != "openai",
          lambda c: f"sampling.num_processes={c['sampling']['num_processes']} starts one sampler per GPU (backends "
                    "transformers and vllm); with backend openai list several servers in openai.base_url instead",
          commands=("loop",)),
-    Rule(("loop.engine", "finetune.num_processes"),
-         lambda c: c["loop"]["engine"] != "inprocess" or c["finetune"]["num_processes"] == 1,
-         lambda c: f"loop.engine=inprocess trains in one process, got finetune.num_processes="
-                   f"{c['finetune']['num_processes']} (use loop.engine=processes or auto)",
-         commands=("loop",)),
+    _inprocess_needs_one("finetune", "trains"),
     Rule(("max_agent_forks", "attempts"),
          lambda c: c["max_agent_forks"] >= c["attempts"],
          lambda c: f"need max_agent_forks >= attempts (a loop iteration samples max_agent_forks // attempts "
