@@ -12,7 +12,7 @@ as a subprocess on a fresh run directory with the same config and no evaluation
 loop records them) and `finetune/metrics.jsonl` (per-step `time_s`). Reported per engine:
 median iteration seconds (the sum of sample, filter and finetune of iterations >= 1; iteration 0 pays the
 one-time start: model load, compile, CUDA graph capture), iteration 0 seconds, median phase
-seconds, finetune overhead (the finetune phase minus its optimizer steps: start, load, the
+seconds (evaluation, when an override turns it on, is in each iteration's `evaluate_s` and the wall time), finetune overhead (the finetune phase minus its optimizer steps: start, load, the
 checkpoint save, the weights refresh), and the whole loop wall time. Extra `key=value`
 arguments go to both loops unchanged. Markdown table on stdout, JSON to --out.
 """
@@ -33,7 +33,11 @@ PHASES = ("sample", "filter", "finetune")
 
 
 def run_loop(engine: str, args, overrides: list[str], workdir: Path) -> dict:
-    run_dir = workdir / f"run-{engine}"
+    # Both engines run at the same path, renamed after: the seeds hash the model's path (a checkpoint
+    # in the run directory), so only then can their tapes be compared attempt for attempt.
+    run_dir, kept = workdir / "run", workdir / f"run-{engine}"
+    if kept.exists():
+        sys.exit(f"{kept} exists: give an empty --workdir")
     cmd = [sys.executable, "-m", "gsm8kctl", "loop", "--model", args.model, "--run-dir", str(run_dir),
            "--iterations", str(args.iterations), "--attempts", str(args.attempts), "--backend", "transformers",
            f"max_agent_forks={args.forks}", f"sampling.max_tokens={args.max_tokens}",
@@ -64,7 +68,7 @@ def run_loop(engine: str, args, overrides: list[str], workdir: Path) -> dict:
         per_it.append({
             "iteration": r["iteration"],
             "total_s": round(sum(secs.get(p, 0.0) for p in PHASES), 2),
-            **{f"{p}_s": secs.get(p) for p in PHASES},
+            **{f"{p}_s": secs.get(p) for p in PHASES}, "evaluate_s": secs.get("evaluate"),
             "optimizer_steps_s": round(phase_steps, 3),
             "finetune_overhead_s": round(secs.get("finetune", 0.0) - phase_steps, 2),
             "weights_refresh_s": secs.get("weights_refresh"),
@@ -75,10 +79,30 @@ def run_loop(engine: str, args, overrides: list[str], workdir: Path) -> dict:
         values = [x[key] for x in later if x[key] is not None]
         return round(statistics.median(values), 2) if values else None
 
-    return {"engine": engine, "wall_s": round(wall, 1), "iterations": per_it,
+    run_dir.rename(kept)
+    return {"engine": engine, "run_dir": str(kept), "wall_s": round(wall, 1), "iterations": per_it,
             "iteration0_s": per_it[0]["total_s"] if per_it else None,
             "median_iteration_s": med("total_s"), "median_finetune_overhead_s": med("finetune_overhead_s"),
             **{f"median_{p}_s": med(f"{p}_s") for p in PHASES}}
+
+
+def same_tapes(run_a: Path, run_b: Path) -> dict:
+    """Per tapes file in both runs: the share of attempts with the same completion tokens and reward.
+    On the CPU in float32 the engines agree bit for bit (tests/test_loop.py); on a GPU in bfloat16
+    this shows how far the in-place weights refresh and the reloaded checkpoint agree."""
+    from gsm8kctl.jsonl import read_jsonl
+
+    shares = {}
+    for tapes in sorted(run_a.glob("*/*/tapes.jsonl")):
+        other = run_b / tapes.relative_to(run_a)
+        if not other.exists():
+            continue
+        key = lambda t: (t["problem_id"], t["attempt"])  # noqa: E731
+        theirs = {key(t): (t["completion_token_ids"], t["reward"]) for t in read_jsonl(other)}
+        ours = [(key(t), (t["completion_token_ids"], t["reward"])) for t in read_jsonl(tapes)]
+        same = sum(theirs.get(k) == v for k, v in ours)
+        shares[str(tapes.parent.relative_to(run_a))] = round(same / max(len(ours), 1), 4)
+    return shares
 
 
 def main() -> None:
@@ -96,6 +120,7 @@ def main() -> None:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         results = [run_loop(e, args, overrides, workdir) for e in args.engines.split(",")]
+        identical = same_tapes(Path(results[0]["run_dir"]), Path(results[1]["run_dir"])) if len(results) == 2 else {}
     print("| engine | median iteration s (it ≥ 1) | iteration 0 s | sample s | filter s | finetune s | "
           "finetune overhead s | loop wall s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -106,9 +131,13 @@ def main() -> None:
     if len(results) == 2:
         print(f"\nratio {results[1]['engine']} / {results[0]['engine']} (median iteration): "
               f"{results[1]['median_iteration_s'] / max(results[0]['median_iteration_s'], 1e-9):.2f}x")
+    if identical:
+        print("\nattempts with the same tokens and reward in both runs: "
+              + ", ".join(f"{k} {v:.1%}" for k, v in identical.items()))
     if args.out:
         args.out.write_text(json.dumps({"args": {**vars(args), "workdir": str(args.workdir), "out": str(args.out)},
-                                        "overrides": overrides, "results": results}, indent=1))
+                                        "overrides": overrides, "results": results,
+                                        "same_tapes": identical}, indent=1))
 
 
 if __name__ == "__main__":
