@@ -173,6 +173,9 @@ class ProcessEngine:
     def filter(self, tapes: Path, out: Path) -> None:
         self._stage("filter", str(tapes), "-o", str(out), "--quiet")
 
+    def wait_saved(self) -> float:
+        return 0.0  # the finetune stage saved before it exited
+
     def close(self) -> None:
         pass
 
@@ -235,6 +238,7 @@ class InProcessEngine:
         from gsm8kctl.stages.finetune import _check_finetune_config, _load_and_check, _resolve_start, \
             resolve_objective
 
+        waited = self.wait_saved()  # the previous phase's checkpoint is where this one starts
         cfg = json.loads(json.dumps(self.cfg))  # the phase's copy, as the stage gets it from its options
         set_value(cfg, "finetune.steps", steps)
         objective = resolve_objective(cfg, objective)
@@ -248,12 +252,15 @@ class InProcessEngine:
             say(note, self.quiet)
             t0 = time.perf_counter()
             self.trainer = Trainer(cfg, self.run_dir, start=start, resume=resume, quiet=self.quiet)
+            self.trainer.background_saves = True
             say(f"trainer ready in {time.perf_counter() - t0:.1f} s (kept for the whole run)", self.quiet)
         t0 = time.perf_counter()
         result = self.trainer.run(samples, cfg, source=[str(samples_path)])
-        info = {"train_s": round(time.perf_counter() - t0, 3)}
+        info = {"train_s": round(time.perf_counter() - t0, 3), "save_wait_s": round(waited, 3)}
         if result["steps_run"]:
             info["refresh_s"] = self._refresh_sampler(Path(result["checkpoint"]))
+        if self.trainer.pending is not None:  # written by a thread while the loop goes on
+            info["pending"] = str(self.trainer.pending)
         self._say_memory()
         return info
 
@@ -289,6 +296,10 @@ class InProcessEngine:
             self.ref = _open_scorer(ref, "transformers", self.cfg)
         return self.ref.score
 
+    def wait_saved(self) -> float:
+        """Block until the last phase's checkpoint is on disk; the seconds waited."""
+        return self.trainer.wait_saved() if self.trainer is not None else 0.0
+
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
@@ -307,6 +318,8 @@ class InProcessEngine:
         """The resident sampler, holding `model`'s weights: loaded once, then refreshed in place."""
         from gsm8kctl.models import resolve_model
 
+        if self.sampler is not None and Path(model).resolve() == self.sampler_weights:
+            return self.sampler  # the trainer's weights (their checkpoint may still be being written)
         path = Path(resolve_model(model)).resolve()
         if self.sampler is None:
             from gsm8kctl.backends.transformers import TransformersBackend

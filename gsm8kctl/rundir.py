@@ -63,6 +63,11 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` lives once published."""
+    return Path(out_dir) / CHECKPOINTS_DIR / checkpoint_name(step)
+
+
 def is_complete(ckpt: Path) -> bool:
     return (ckpt / TRAINING_STATE_DIR / TRAINING_STATE_FILE).exists()
 
@@ -108,7 +113,7 @@ def checkpoint_tmp(out_dir: Path, step: int) -> Path:
 
 def publish_checkpoint(out_dir: Path, tmp: Path, step: int, keep: int) -> Path:
     """Rename a finished temp checkpoint into place, point `latest` at it, prune the old ones."""
-    final = Path(out_dir) / CHECKPOINTS_DIR / checkpoint_name(step)
+    final = checkpoint_dir(out_dir, step)
     if final.exists():  # a previous save of this step that was killed before `latest` moved
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -220,6 +225,12 @@ def _check_state(state, path: Path) -> dict:
     pgid = state.setdefault("child_pgid", None)
     if pgid is not None and (not isinstance(pgid, int) or isinstance(pgid, bool)):
         raise bad("child_pgid", "null or a process group id")
+    pending = state.get("pending_save")
+    if pending is not None and not (isinstance(pending, dict) and isinstance(pending.get("checkpoint"), str)
+                                    and pending.get("phase") in ("warmup", "finetune")
+                                    and isinstance(pending.get("iteration"), int)
+                                    and isinstance(pending.get("cursor"), int)):
+        raise bad("pending_save", "null or an object with checkpoint, phase, iteration and cursor")
     state.setdefault("problems", None)
     return state
 

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import shutil
+import threading
 import time
 from array import array
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import JsonlAppender, atomic_write_json, read_jsonl, write_jsonl
 from gsm8kctl.progress import console, say
 from gsm8kctl.rundir import (FINETUNE_DIR, OPTIMIZER_FILE, TRAINING_STATE_DIR, TRAINING_STATE_FILE, checkpoint_tmp,
-                             latest_checkpoint, publish_checkpoint, training_state)
+                             checkpoint_dir, latest_checkpoint, publish_checkpoint, training_state)
 from gsm8kctl.samples import samples_stats, stats_table
 
 METRICS_FILE = "metrics.jsonl"
@@ -135,6 +136,28 @@ def _make_policy_module(lm, chunk_tokens: int):
                                   chunk_tokens=chunk_tokens, with_entropy=True)
 
     return PolicyLogprobs()
+
+
+def _host_copy(obj):
+    """A copy in host memory of a (nested) state dict; tensors that share storage (tied
+    embeddings) still share it, so the checkpoint is written exactly as from the live model."""
+    import torch
+
+    seen: dict = {}
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.dtype)
+            if key not in seen:
+                seen[key] = x.detach().to("cpu", copy=True)
+            return seen[key]
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x
+
+    return copy(obj)
 
 
 def _rng_state() -> dict:
@@ -248,6 +271,11 @@ class Trainer:
 
         ft = cfg["finetune"]
         self.out_dir = Path(out_dir)
+        # The in-process engine sets this: a phase's last save writes in a thread (see `save`).
+        self.background_saves = False
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        self.pending: Path | None = None  # the checkpoint that thread is writing
         hf_logging.disable_progress_bar()  # per-shard load/save bars say nothing useful here
 
         # Processes, precision, seed
@@ -363,7 +391,8 @@ class Trainer:
                     f"grad {last['grad_norm']:.3f} {last['tokens_per_s']:.0f} tok/s")
             every = ft["save_checkpoint_steps"]
             if (every and self.step % int(every) == 0) or self.step == plan.target:
-                self.save(cfg, phase, plan.global_batch)
+                self.save(cfg, phase, plan.global_batch,
+                          background=self.background_saves and self.step == plan.target and stop_after is None)
                 if stop_after is not None and ran >= stop_after:
                     break
         if metrics_out is not None:
@@ -465,20 +494,41 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ checkpoint
-    def save(self, cfg: dict, phase: dict, global_batch: int) -> Path | None:
+    def save(self, cfg: dict, phase: dict, global_batch: int, *, background: bool = False) -> Path | None:
         """Write checkpoint `step` to a temp dir, rename it into place, point `latest` at it, prune.
 
-        Synchronous and without fsync: a kill -9 leaves the page cache intact, so the rename
-        after the writes is what makes it safe; a power cut is not covered.
+        Without fsync: a kill -9 leaves the page cache intact, so the rename after the writes is
+        what makes it safe; a power cut is not covered.
+
+        `background` (one process only): the weights, the optimizer state and the RNG state are
+        copied to host memory now, and a thread writes them while the caller goes on; the
+        checkpoint is published (renamed into place) only when every file is written. The
+        caller must `wait_saved()` before anything that needs it on disk; a kill before that
+        leaves no checkpoint, and the loop redoes the phase (stages/loop.py, `pending_save`).
         """
         import torch
 
+        self.wait_saved()
         acc, step = self.accelerator, self.step
         tmp = checkpoint_tmp(self.out_dir, step)
         if self.main:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / TRAINING_STATE_DIR).mkdir(parents=True)
         acc.wait_for_everyone()
+        meta = {"step": step, "phase": phase, "global_batch": global_batch, "seed": cfg["seed"],
+                "objective": cfg["finetune"]["objective"], "num_processes": acc.num_processes}
+        self.phase, self.saved_global_batch = phase, global_batch
+        if background and self.world == 1:
+            # Host copies first: the next phase may change the live tensors while the thread writes.
+            weights = _host_copy(acc.unwrap_model(self.model).lm.state_dict())
+            optimizer = _host_copy(self.optimizer.state_dict())
+            rng = _rng_state()
+            keep = int(cfg["finetune"]["keep_checkpoints"])
+            self.pending = checkpoint_dir(self.out_dir, step)
+            self._writer = threading.Thread(target=self._write_thread, name=f"checkpoint-{step}",
+                                            args=(tmp, step, keep, cfg, weights, optimizer, rng, meta))
+            self._writer.start()
+            return self.pending
         if self.main:
             acc.unwrap_model(self.model).lm.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
@@ -489,18 +539,39 @@ class Trainer:
         final = None
         if self.main:
             # The state file last: a checkpoint without it is incomplete and never loaded.
-            atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {
-                "step": step, "phase": phase, "global_batch": global_batch, "seed": cfg["seed"],
-                "objective": cfg["finetune"]["objective"], "num_processes": acc.num_processes,
-                "created": round(time.time(), 3),
-            })
+            atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {**meta, "created": round(time.time(), 3)})
             final = publish_checkpoint(self.out_dir, tmp, step, int(cfg["finetune"]["keep_checkpoints"]))
         acc.wait_for_everyone()
-        self.phase, self.saved_global_batch = phase, global_batch
         return final
 
+    def _write_thread(self, tmp: Path, step: int, keep: int, cfg: dict, weights: dict, optimizer: dict,
+                      rng: dict, meta: dict) -> None:
+        import torch
+
+        try:
+            self.lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            save_config(cfg, tmp / CONFIG_COPY)
+            torch.save(optimizer, tmp / TRAINING_STATE_DIR / OPTIMIZER_FILE)
+            torch.save(rng, tmp / TRAINING_STATE_DIR / "rng-0.pt")
+            atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {**meta, "created": round(time.time(), 3)})
+            publish_checkpoint(self.out_dir, tmp, step, keep)
+        except BaseException as exc:  # re-raised in the caller's thread by wait_saved
+            self._writer_error = exc
+
+    def wait_saved(self) -> float:
+        """Block until a background save is on disk (published); the seconds waited."""
+        t0 = time.perf_counter()
+        if self._writer is not None:
+            self._writer.join()
+            self._writer, self.pending = None, None
+        if self._writer_error is not None:
+            exc, self._writer_error = self._writer_error, None
+            raise exc
+        return time.perf_counter() - t0
+
     def result(self, plan: PhasePlan, last: dict | None, *, ran: int) -> dict:
-        ckpt = latest_checkpoint(self.out_dir)
+        ckpt = self.pending or latest_checkpoint(self.out_dir)
         result = {"step": self.step, "target": plan.target, "phase_start": plan.phase_start, "steps_run": ran,
                   "checkpoint": str(ckpt) if ckpt else None, "last_metrics": last}
         if self.main and self.world > 1:
@@ -512,6 +583,7 @@ class Trainer:
         """Free the GPU: the caller may train or sample again in this process."""
         import torch
 
+        self.wait_saved()
         acc = self.accelerator
         del self.model, self.optimizer, self.lm
         if self.compiled:

@@ -3,6 +3,7 @@
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -314,18 +315,27 @@ def test_inprocess_engine_writes_what_processes_write(tiny_model_dir, reference_
 
 def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny_model_dir, reference_run,
                                                                             tmp_path):
-    """No child to wait for: the kill points watch state.json closely (in-process phases are short)."""
+    """No child to wait for: the kill points watch state.json closely (in-process phases are short).
+
+    The finetune phase's checkpoint is written by a thread while the loop goes on (`pending_save`
+    in state.json until it is on disk). The tiny model's write is over in milliseconds, so the
+    "background save" point kills in that window and then removes the checkpoint and its
+    `latest` pointer: what a kill before the thread published leaves. The next start must train
+    the phase again and still end as the uninterrupted run."""
     run_dir = tmp_path / "run"
     phase = lambda: _state(run_dir).get("phase")  # noqa: E731
     kill_points = [
         ("sample", lambda: _lines(run_dir / "iterations/0000/tapes.jsonl") >= 2, 0.0),
         ("filter", lambda: phase() in ("filter", "finetune"), 0.0),
         ("finetune", lambda: phase() == "finetune", 1.0),  # into the trainer's start and steps
+        ("background save", lambda: bool(_state(run_dir).get("pending_save")), 0.0),
         ("evaluate", lambda: _lines(run_dir / "eval/0001/tapes.jsonl") >= 1, 0.0),
     ]
     for name, cond, delay in kill_points:
-        proc = subprocess.Popen(_inprocess_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        err = tmp_path / f"{name}.stderr"
+        with open(err, "w") as err_file:
+            proc = subprocess.Popen(_inprocess_cmd(tiny_model_dir, run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
+                                    stderr=err_file)
         deadline = time.time() + 300
         while not cond():
             assert proc.poll() is None, f"loop ended before the {name} kill point (exit {proc.returncode})"
@@ -335,6 +345,16 @@ def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert phase() != "done", f"loop finished before the {name} kill"
+        if name == "background save":
+            pending = Path(_state(run_dir)["pending_save"]["checkpoint"])
+            shutil.rmtree(pending, ignore_errors=True)  # (gone already if the kill beat the thread)
+            older = sorted(pending.parent.glob("step-*"))
+            latest = pending.parent / "latest"
+            if older:
+                latest.write_text(older[-1].name + "\n")
+            else:
+                latest.unlink(missing_ok=True)
+    assert "was still being written when the loop stopped" in (tmp_path / "evaluate.stderr").read_text()
     proc = subprocess.run(_inprocess_cmd(tiny_model_dir, run_dir), cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -195,6 +195,16 @@ class _Context:
                 return
             # Asked for more iterations: the last one ran only its final evaluation; train it now.
             st.update(iteration=st["iteration"] - 1, phase="sample", problems=None)
+        pending = st.pop("pending_save", None)
+        latest = latest_checkpoint(self.run_dir)
+        if pending and (latest is None or latest.resolve() != Path(pending["checkpoint"]).resolve()):
+            # Killed before a background save was published: that phase's weights are lost, so it is
+            # trained again from the checkpoint before it. Attempts already sampled or evaluated
+            # with those weights are kept: the redone phase gives the same weights (the same
+            # data, seeds and saved state), and the checkpoint gets the same name.
+            say(f"the checkpoint {Path(pending['checkpoint']).name} was still being written when the loop "
+                f"stopped: training its phase again", self.quiet)
+            st.update({k: pending[k] for k in ("iteration", "phase", "cursor", "problems")})
         if st["phase"] == "warmup":
             self._warmup()
             st.update(phase="evaluate")
@@ -217,6 +227,7 @@ class _Context:
                     st.update(iteration=it + 1, phase="evaluate", problems=None)
                 st.update(StageRecord.cleared())
                 save_state(self.run_dir, st)
+        self._settle(st["iteration"] - 1)
         st["phase"] = "done"
         save_state(self.run_dir, st)
         self._summary()
@@ -229,8 +240,28 @@ class _Context:
         return eval_dir(self.run_dir, it)
 
     def current_model(self) -> str:
+        pending = self.state.get("pending_save")
+        if pending:  # in-process: the trainer's weights, their checkpoint still being written
+            return pending["checkpoint"]
         ckpt = latest_checkpoint(self.run_dir)
         return str(ckpt) if ckpt else self.cfg["model"]
+
+    def _pending(self, info: dict, phase: str) -> None:
+        """Remember a checkpoint the engine writes in the background, and where to go back to if
+        the loop is killed before it is on disk (`run` reads it at the start)."""
+        if info.get("pending"):
+            st = self.state
+            st["pending_save"] = {"checkpoint": info["pending"], "iteration": st["iteration"], "phase": phase,
+                                  "cursor": st["cursor"], "problems": st["problems"]}
+
+    def _settle(self, it: int) -> None:
+        """Wait for a background checkpoint write: before the next iteration's problems are drawn
+        (a redone phase must see the same cursor), before a checkpoint is marked, and at the end."""
+        if self.state.get("pending_save") is None:
+            return
+        waited = self.engine.wait_saved()
+        self.state.pop("pending_save")
+        self.state["timings"].setdefault(str(it), {})["checkpoint_wait"] = round(waited, 3)
 
     # ------------------------------------------------------------------ phases
     def _warmup(self) -> None:
@@ -242,7 +273,7 @@ class _Context:
         samples = d / SAMPLES_FILE
         if not samples.exists():
             self.engine.gold_samples(samples, self.cfg["warmup_sft_problems"])
-        self.engine.finetune(samples, steps, objective="sft")
+        self._pending(self.engine.finetune(samples, steps, objective="sft"), "warmup")
 
     def _evaluate(self, it: int) -> None:
         every = self.cfg["test_every_n_iterations"]
@@ -254,6 +285,7 @@ class _Context:
         # Marked now, not at record: this iteration's finetune prunes, and with keep_checkpoints=1
         # it would delete the checkpoint just evaluated before record could keep it.
         m = json.loads((self.eval_dir(it) / METRICS_FILE).read_text(encoding="utf-8"))
+        self._settle(it)
         self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
 
     def _sample(self, it: int) -> None:
@@ -267,6 +299,7 @@ class _Context:
         self.it_dir(it).mkdir(parents=True, exist_ok=True)
         model = self.current_model()
         self.engine.sample(model, st["problems"], it, self.it_dir(it) / TAPES_FILE)
+        self._settle(it)  # the write ran while this phase sampled
 
     def _filter(self, it: int) -> None:
         self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE)
@@ -282,6 +315,7 @@ class _Context:
         say(f"iteration {it}: {plan['steps']} optimizer steps of {plan['global_batch']} samples on {n} samples = "
             f"{plan['passes']:g} pass{'' if plan['passes'] == 1 else 'es'} ({plan['why']})", self.quiet)
         info = self.engine.finetune(samples, plan["steps"])
+        self._pending(info, "finetune")
         if info.get("refresh_s") is not None:  # in-process: the sampler took the trainer's weights
             self.state["timings"].setdefault(str(it), {})["weights_refresh"] = info["refresh_s"]
 
