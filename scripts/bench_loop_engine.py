@@ -72,6 +72,8 @@ def run_loop(engine: str, args, overrides: list[str], workdir: Path) -> dict:
             "optimizer_steps_s": round(phase_steps, 3),
             "finetune_overhead_s": round(secs.get("finetune", 0.0) - phase_steps, 2),
             "weights_refresh_s": secs.get("weights_refresh"),
+            # In-process: how long the sample phase waited at its end for the background checkpoint write.
+            "checkpoint_wait_s": secs.get("checkpoint_wait"),
             "attempts": r.get("attempts"), "sample_tokens_per_s": r.get("sample_tokens_per_s"),
         })
     later = per_it[1:] or per_it
