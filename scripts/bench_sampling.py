@@ -2,13 +2,16 @@
 
     python scripts/bench_sampling.py --out bench.json            # every available backend
     python scripts/bench_sampling.py --backends vllm,openai --n-prompts 8
+    python scripts/bench_sampling.py --backends vllm vllm.dtype=float32   # config overrides, key=value
 
 Each backend runs in its own subprocess (so start-up includes its imports, and memory is not
 shared between backends): start-up s (imports + engine/model load; for `openai` also starting a
 local `vllm serve` and waiting for /health), generated tokens/s (completion tokens of one
 `generate` call over its wall time, after a 4-token warm-up call), scoring tokens/s (prompt +
 completion tokens through `score()` per second), peak RSS (sum over the process tree, sampled
-every 0.2 s; shared pages are counted once per process). The table goes to stdout, JSON to --out.
+every 0.2 s; shared pages are counted once per process). Trailing `key=value` arguments override
+the default config, as on the gsm8kctl command line. The table goes to stdout, JSON to --out; the
+machine's CPU model and its bf16 instructions go into the JSON (bf16 is emulated without them).
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ def _prompts(tokenizer, n_prompts: int, data_dir: str | None) -> list[list[int]]
 def run_one(args) -> dict:
     """Measure one backend in this process."""
     from gsm8kctl.backends import SamplingParams, get_backend
-    from gsm8kctl.config import default_config
+    from gsm8kctl.config import load_config
     from gsm8kctl.models import resolve_model
 
-    cfg = default_config()
+    cfg = load_config(None, args.overrides)
     cfg["sampling"]["batch_size"] = args.n_prompts * args.n  # transformers: one batch, like the notes
     model = resolve_model(args.model)
     server = None
@@ -98,6 +101,17 @@ def run_one(args) -> dict:
     }
 
 
+def _cpu() -> dict:
+    """The CPU model and whether it has bf16 instructions (Linux /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return {"cpu_model": model, "cpu_bf16": sorted(flags & {"avx512_bf16", "amx_bf16"})}
+
+
 def _available(name: str) -> bool:
     import importlib.util
 
@@ -128,7 +142,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args, args.overrides = ap.parse_known_args()
+    if any("=" not in o for o in args.overrides):
+        ap.error(f"unrecognized arguments: {' '.join(o for o in args.overrides if '=' not in o)}")
 
     if args.worker:
         Path(args.result).write_text(json.dumps(run_one(args)))
@@ -149,6 +165,7 @@ def main() -> int:
             value = getattr(args, key)
             if value is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += args.overrides
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         text = Path(result_path).read_text() if os.path.getsize(result_path) else ""
         os.unlink(result_path)
@@ -162,9 +179,10 @@ def main() -> int:
 
     report = {
         "settings": {"model": args.model, "prompts": args.n_prompts, "n": args.n, "temperature": args.temperature,
-                     "max_tokens": args.max_tokens, "seed": args.seed, "source": "GSM8k test, zero-shot agent prompt"},
+                     "max_tokens": args.max_tokens, "seed": args.seed, "source": "GSM8k test, zero-shot agent prompt",
+                     "overrides": args.overrides},
         "machine": {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                    "platform": platform.platform(), "python": platform.python_version()},
+                    "platform": platform.platform(), "python": platform.python_version(), **_cpu()},
         "results": results,
     }
     print(_table(results))
