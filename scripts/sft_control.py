@@ -93,6 +93,8 @@ def main() -> None:
             if steps:  # the tokens the RL run had trained before this iteration's evaluation
                 t0 = time.time()
                 info = engine.finetune(gold, steps, objective="sft")
+                # On disk before it is named and evaluated: this script resumes from disk alone.
+                engine.wait_saved()
                 row["seconds"]["finetune"] = round(time.time() - t0, 1)
                 row.update(train_steps_total=steps, train_tokens_target=cumulative[it - 1])
                 if info.get("refresh_s") is not None:
