@@ -224,6 +224,7 @@ class Finetune:
     dtype: Literal["auto", "float32", "bfloat16"]
     gradient_checkpointing: bool
     compile: AutoBool
+    packing: AutoBool                                 # auto = on CUDA (gsm8kctl/packing.py)
     logprob_chunk_tokens: Count
     num_processes: Count
     nccl_timeout_s: Count                             # timedelta(seconds=int(...)) in finetune.py

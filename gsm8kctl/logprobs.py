@@ -88,17 +88,22 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return ids.to(device), attn.to(device), comp.to(device)
 
 
-def token_budget_batches(lengths: list[int], token_budget: int, max_batch: int | None = None) -> list[list[int]]:
-    """Group indices (sorted by length) so each group's padded size rows x max_len fits the budget."""
+def token_budget_batches(lengths: list[int], token_budget: int, max_batch: int | None = None,
+                         *, packed: bool = False) -> list[list[int]]:
+    """Group indices (sorted by length) so each group fits the budget: its padded size
+    rows x max_len, or with `packed` (samples end to end, gsm8kctl/packing.py) its total length."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []
     cur: list[int] = []
+    total = 0
     for i in order:
         longest = max([lengths[j] for j in cur] + [lengths[i]])
-        if cur and ((len(cur) + 1) * longest > token_budget or (max_batch and len(cur) >= max_batch)):
+        cost = total + lengths[i] if packed else (len(cur) + 1) * longest
+        if cur and (cost > token_budget or (max_batch and len(cur) >= max_batch)):
             batches.append(cur)
-            cur = []
+            cur, total = [], 0
         cur.append(i)
+        total += lengths[i]
     if cur:
         batches.append(cur)
     return batches

@@ -88,15 +88,15 @@ def step_batches(n: int, global_batch: int, seed: int, fp: str, epoch: int) -> l
 
 
 def micro_batches(indices: list[int], lengths: Sequence[int], rank: int, world: int,
-                  token_budget: int, max_batch: int) -> list[list[int]]:
-    """This process's share of one step, packed into micro-batches by the token budget.
+                  token_budget: int, max_batch: int, *, packed: bool = False) -> list[list[int]]:
+    """This process's share of one step, grouped into micro-batches by the token budget.
 
     Dealing by sorted length (rank r takes every world-th) balances tokens across processes.
     """
     from gsm8kctl.logprobs import token_budget_batches
 
     mine = sorted(indices, key=lambda i: (lengths[i], i))[rank::world]
-    groups = token_budget_batches([lengths[i] for i in mine], token_budget, max_batch)
+    groups = token_budget_batches([lengths[i] for i in mine], token_budget, max_batch, packed=packed)
     return [[mine[j] for j in g] for g in groups]
 
 
@@ -120,6 +120,12 @@ def _compile_wanted(value, cuda: bool) -> bool:
     raise UserError(f"finetune.compile must be auto, true or false, got {value!r}")
 
 
+def _packing_wanted(value, cuda: bool) -> bool:
+    """finetune.packing: auto = on CUDA, where padding wastes compute and new widths recompile."""
+    v = str(value).strip().lower()
+    return cuda if v == "auto" else v in ("true", "1", "yes", "on")
+
+
 def _make_policy_module(lm, chunk_tokens: int):
     """DDP only syncs gradients of a forward it ran: wrap the chunked log-prob pass as one module."""
     import torch
@@ -131,8 +137,8 @@ def _make_policy_module(lm, chunk_tokens: int):
             super().__init__()
             self.lm = lm
 
-        def forward(self, input_ids, attention_mask, score_mask):
-            return token_logprobs(self.lm, input_ids, attention_mask, score_mask,
+        def forward(self, input_ids, attention_mask, score_mask, position_ids=None):
+            return token_logprobs(self.lm, input_ids, attention_mask, score_mask, position_ids=position_ids,
                                   chunk_tokens=chunk_tokens, with_entropy=True)
 
     return PolicyLogprobs()
@@ -267,6 +273,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from gsm8kctl import packing
         from gsm8kctl.models import load_tokenizer
 
         ft = cfg["finetune"]
@@ -320,6 +327,10 @@ class Trainer:
             else:
                 for layer in layers:
                     layer.compile()
+        # Packed micro-batches (gsm8kctl/packing.py): flash varlen attention on CUDA in bf16,
+        # causal SDPA per sample elsewhere.
+        self.packed = _packing_wanted(ft["packing"], self.cuda)
+        self.flash = self.packed and packing.flash_available(self.device, self.bf16)
         self.tokenizer = load_tokenizer(start)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         model = _make_policy_module(self.lm, int(ft["logprob_chunk_tokens"])).to(self.device)
@@ -374,7 +385,8 @@ class Trainer:
             console.print(stats_table(stats, title=f"finetune samples (phase {plan.fingerprint})"))
             say(f"objective {ft['objective']}; {len(samples)} samples, {plan.global_batch} per step on "
                 f"{self.world} process(es); steps {self.step} -> {plan.target} (phase from step "
-                f"{plan.phase_start}); {'bf16 autocast' if self.bf16 else 'fp32'} on {self.device}")
+                f"{plan.phase_start}); {'bf16 autocast' if self.bf16 else 'fp32'} on {self.device}; "
+                f"{('packed, flash varlen' if self.flash else 'packed') if self.packed else 'padded'} micro-batches")
         self.accelerator.wait_for_everyone()
 
         metrics_out = JsonlAppender(metrics_file, fsync_every=1) if self.main else None
@@ -403,7 +415,7 @@ class Trainer:
         """One optimizer step over the step's global batch; returns its metrics line."""
         import torch
 
-        from gsm8kctl import losses
+        from gsm8kctl import losses, packing
         from gsm8kctl.logprobs import pad_batch
 
         ft, rl, objective = cfg["finetune"], cfg["finetune"]["rl"], cfg["finetune"]["objective"]
@@ -412,7 +424,8 @@ class Trainer:
         lengths = [len(s["input_ids"]) for s in samples]
         epoch, pos = divmod(self.step - plan.phase_start, plan.per_epoch)
         step_idx = step_batches(len(samples), plan.global_batch, int(cfg["seed"]), plan.fingerprint, epoch)[pos]
-        mbs = micro_batches(step_idx, lengths, self.rank, world, int(ft["token_budget"]), int(ft["train_batch_size"]))
+        mbs = micro_batches(step_idx, lengths, self.rank, world, int(ft["token_budget"]), int(ft["train_batch_size"]),
+                            packed=self.packed)
         dummy = not mbs  # fewer samples than processes: run one zero-weight pass to join the all-reduce
         if dummy:
             mbs = [step_idx[:1]]
@@ -432,10 +445,20 @@ class Trainer:
             has_old, has_ref = bool(old_mask.any()), bool(ref_mask.any())
             weights = torch.tensor([float(s["weight"]) for s in batch], device=device)
             sync = k == len(mbs) - 1
+            row = None
+            if self.packed:
+                row = packing.pack([s["input_ids"][:s["prompt_len"]] for s in batch],
+                                   [s["input_ids"][s["prompt_len"]:] for s in batch], device)
             # Forward and backward both inside no_sync: DDP decides in forward whether to all-reduce.
-            with (contextlib.nullcontext() if sync else acc.no_sync(model)):
+            # Backward inside the packed segments too: gradient checkpointing runs attention again.
+            with (contextlib.nullcontext() if sync else acc.no_sync(model)), \
+                    (packing.segments(self.lm, row, flash=self.flash) if row else contextlib.nullcontext()):
                 with autocast:
-                    new, entropy = model(ids, attn, comp)
+                    if row is None:
+                        new, entropy = model(ids, attn, comp)
+                    else:
+                        new, entropy = model(row.ids, None, row.score, row.positions)
+                        new, entropy = packing.unpack(new, attn), packing.unpack(entropy, attn)
                 loss, part = losses.policy_loss(
                     new, comp, objective=objective, weights=weights,
                     old=old.to(device) if has_old else None, old_mask=old_mask.to(device),
@@ -489,7 +512,8 @@ class Trainer:
             "ratio_mean": means["ratio_mean"], "clip_frac": means["clip_frac"], "kl": means["kl"],
             "entropy": total["entropy_sum"] / total["tokens"] if total["tokens"] else None,
             "drift_old_new": total["drift_sum"] / total["drift_tokens"] if total["drift_tokens"] else None,
-            "micro_batches": len(mbs), "time_s": round(dt, 4),
+            "micro_batches": len(mbs), "packing": ("flash" if self.flash else "sdpa") if self.packed else None,
+            "time_s": round(dt, 4),
             "max_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if self.cuda else None,
         }
 

@@ -3,6 +3,8 @@
     python scripts/bench_finetune.py --shape tiny --steps 3 --batch 4 --seq 128 --out bf.json   # CPU check
     python scripts/bench_finetune.py --shape 135m,1.5b --batch 32 --seq 1024 --steps 6 --out bf.json
     python scripts/bench_finetune.py --shape 135m --num-processes 1,2 --batch 32 --out bf.json   # 1 vs 2 GPUs
+    python scripts/bench_finetune.py --shape 135m --batch 64 --lengths 150-700 --packing false,true \
+        --steps 12 --set finetune.token_budget=8192 --out bf_var.json   # padded vs packed, GSM8k-like lengths
 
 For each shape (× each process count) this:
 
@@ -13,7 +15,9 @@ For each shape (× each process count) this:
    only token ids < the model's vocab_size matter, and they are drawn below min(vocab, 49152);
 2. writes `batch × steps` synthetic samples of exactly --seq tokens (prompt = seq/4, the rest
    completion, with old_logprobs, weights ±1), so each optimizer step sees fresh samples and
-   one packed micro-batch per process;
+   one micro-batch per process; with --lengths MIN-MAX each sample's length is drawn uniformly
+   from that range instead (seeded), as real completions vary;
+   --packing runs each value of finetune.packing (padded rows vs samples end to end);
 3. calls the real `run_finetune` (objective grpo by default) on a fresh OUT, with
    finetune.train_batch_size = batch / processes (--batch is the *global* batch, so 1- and
    2-process runs train identical steps and their losses are comparable),
@@ -169,17 +173,21 @@ def build_model(shape: str, root: Path, tokenizer, seq: int) -> tuple[str, int]:
     return str(out), params
 
 
-def make_samples(root: Path, n: int, seq: int, id_cap: int) -> str:
-    """n samples of exactly `seq` tokens: prompt seq/4, completion with old_logprobs, weight ±1."""
-    prompt = max(1, seq // 4)
-    comp = seq - prompt
-    path = root / f"samples-{n}x{seq}-v{id_cap}.jsonl"
+def make_samples(root: Path, n: int, seq: int, id_cap: int, lengths: tuple[int, int] | None = None) -> str:
+    """n samples of `seq` tokens (or of a length drawn from `lengths`): prompt a quarter,
+    completion with old_logprobs, weight ±1."""
+    tag = f"{lengths[0]}-{lengths[1]}" if lengths else str(seq)
+    path = root / f"samples-{n}x{tag}-v{id_cap}.jsonl"
     if path.exists():
         return str(path)
     rng = random.Random(0)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for i in range(n):
+            if lengths:
+                seq = rng.randint(*lengths)
+            prompt = max(1, seq // 4)
+            comp = seq - prompt
             sign = 1.0 if i % 2 else -1.0
             f.write(json.dumps({
                 "id": f"s{i}", "problem_id": f"p{i // 8}", "group_id": f"g{i // 8}",
@@ -196,7 +204,7 @@ def make_samples(root: Path, n: int, seq: int, id_cap: int) -> str:
 
 
 def run_one(shape: str, nproc: int, model_dir: str, params: int, samples: str, root: Path,
-            args) -> dict:
+            args, packing: str = "auto") -> dict:
     import torch
 
     from gsm8kctl.config import load_config
@@ -212,15 +220,17 @@ def run_one(shape: str, nproc: int, model_dir: str, params: int, samples: str, r
         f"finetune.token_budget={per_proc * args.seq}",
         f"finetune.seq_length={args.seq}",
         f"finetune.compile={args.compile}",
+        f"finetune.packing={packing}",
         "finetune.save_checkpoint_steps=1000000",  # one save, at the last step
         "finetune.keep_checkpoints=1",
         *args.set,
     ])
-    out = root / f"out-{shape}-p{nproc}"
+    out = root / f"out-{shape}-p{nproc}-{packing}"
     shutil.rmtree(out, ignore_errors=True)  # a leftover checkpoint would resume (and do nothing)
     row = {"shape": shape, "processes": nproc, "params": params, "global_batch": args.batch,
            "batch_per_process": per_proc, "seq": args.seq, "steps": args.steps,
-           "objective": args.objective, "compile": args.compile,
+           "objective": args.objective, "compile": args.compile, "packing": packing,
+           "lengths": args.lengths,
            "compiled": _compile_wanted(cfg["finetune"]["compile"], cuda)}
     if cuda:
         torch.cuda.empty_cache()
@@ -264,18 +274,19 @@ def _fmt_params(n: int) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["shape", "procs", "params", "global batch", "seq", "compiled", "tok/s (med, step≥3)",
+    head = ["shape", "procs", "params", "global batch", "seq", "compiled", "packing", "tok/s (med, step≥3)",
             "MFU", "peak mem GB", "train s", "wall s", "loss per step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['processes']} | | {r.get('global_batch', '')} | "
-                         f"{r.get('seq', '')} | | FAILED: {r['error'][:80]} | | | | | |")
+                         f"{r.get('seq', '')} | | | FAILED: {r['error'][:80]} | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         losses = " ".join(f"{x:.5f}" for x in r["losses"])
+        seq = r["lengths"] or r["seq"]
         lines.append(f"| {r['shape']} | {r['processes']} | {_fmt_params(r['params'])} | {r['global_batch']} | "
-                     f"{r['seq']} | {'yes' if r['compiled'] else 'no'} | {r['tokens_per_s']:.0f} | {mfu} | "
+                     f"{seq} | {'yes' if r['compiled'] else 'no'} | {r['packing']} | {r['tokens_per_s']:.0f} | {mfu} | "
                      f"{r['peak_mem_gb']} | {r['train_s']} | {r['wall_s']} | {losses} |")
     return "\n".join(lines)
 
@@ -304,6 +315,9 @@ def parse_args(argv=None):
                    help="finetune.compile (auto = on CUDA)")
     p.add_argument("--num-processes", action="append", default=[],
                    help="processes per run (>1: accelerate relaunch); repeatable or comma list (default 1)")
+    p.add_argument("--lengths", help="MIN-MAX: sample lengths drawn uniformly from this range (default: all --seq)")
+    p.add_argument("--packing", action="append", default=[],
+                   help="finetune.packing value(s) to run: auto, true, false; comma list (default auto)")
     p.add_argument("--objective", default="grpo", choices=("grpo", "reinforce", "sft"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override, e.g. finetune.logprob_chunk_tokens=4096 (repeatable)")
@@ -326,6 +340,20 @@ def parse_args(argv=None):
     for n in args.num_processes:
         if n < 1 or args.batch % n:
             p.error(f"--batch {args.batch} must be a positive multiple of --num-processes {n}")
+    args.packing = _split_list(args.packing) or ["auto"]
+    if any(v not in ("auto", "true", "false") for v in args.packing):
+        p.error("--packing takes auto, true or false")
+    if args.lengths:
+        try:
+            lo, hi = (int(x) for x in args.lengths.split("-"))
+        except ValueError:
+            p.error("--lengths takes MIN-MAX, e.g. 150-700")
+        if not 2 <= lo <= hi:
+            p.error("--lengths needs 2 <= MIN <= MAX")
+        args.lengths_range = (lo, hi)
+        args.seq = max(args.seq, hi)
+    else:
+        args.lengths_range = None
     if args.seq < 2 or args.steps < 1 or args.batch < 1:
         p.error("--seq must be >= 2, --steps and --batch >= 1")
     return args
@@ -349,15 +377,15 @@ def main(argv=None) -> int:
             try:
                 model_dir, params = build_model(shape, root, tokenizer, args.seq)
                 id_cap = min(SHAPES[shape]["vocab_size"], TOKEN_ID_CAP)
-                samples = make_samples(root, args.batch * args.steps, args.seq, id_cap)
+                samples = make_samples(root, args.batch * args.steps, args.seq, id_cap, args.lengths_range)
             except Exception as exc:  # noqa: BLE001 - report and go on with the next shape
                 for n in args.num_processes:
                     rows.append({"shape": shape, "processes": n, "error": f"{type(exc).__name__}: {exc}"})
                 _log(f"[{shape}] setup FAILED: {type(exc).__name__}: {exc}")
                 continue
-            for nproc in args.num_processes:
+            for nproc, packing in [(n, v) for n in args.num_processes for v in args.packing]:
                 try:
-                    rows.append(run_one(shape, nproc, model_dir, params, samples, root, args))
+                    rows.append(run_one(shape, nproc, model_dir, params, samples, root, args, packing))
                 except Exception as exc:  # noqa: BLE001
                     rows.append({"shape": shape, "processes": nproc, "global_batch": args.batch,
                                  "seq": args.seq, "error": f"{type(exc).__name__}: {exc}"})

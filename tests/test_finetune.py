@@ -84,6 +84,55 @@ def test_step_batches_and_micro_batches():
     for mb in r0 + r1:  # padded size within budget unless a single long sample
         assert len(mb) * max(lengths[i] for i in mb) <= 16 or len(mb) == 1
     assert training.micro_batches([1, 5], lengths, rank=0, world=1, token_budget=100, max_batch=1) == [[5], [1]]
+    # Packed (samples end to end): the budget bounds the total length, not rows x longest.
+    packed = training.micro_batches(list(range(6)), lengths, rank=0, world=1, token_budget=16, max_batch=8, packed=True)
+    assert sorted(sum(packed, [])) == list(range(6)) and len(packed) == 3
+    assert all(sum(lengths[i] for i in mb) <= 16 for mb in packed)
+
+
+def test_packed_logprobs_and_gradients_match_padded(tiny_model_dir):
+    """Samples end to end with attention per sample = padded rows, in value and gradient (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from gsm8kctl import packing
+    from gsm8kctl.logprobs import pad_batch, token_logprobs
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = _samples(n=5, seed=3)
+    prompts = [r["input_ids"][:r["prompt_len"]] for r in rows]
+    comps = [r["input_ids"][r["prompt_len"]:] for r in rows]
+    ids, attn, comp = pad_batch(prompts, comps, 0)
+    padded, ent_padded = token_logprobs(lm, ids, attn, comp, chunk_tokens=7, with_entropy=True)
+    padded.sum().backward()
+    grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    row = packing.pack(prompts, comps, "cpu")
+    assert row.ids.shape == (1, sum(len(r["input_ids"]) for r in rows)) and row.max_len == ids.shape[1]
+    with packing.segments(lm, row, flash=False):
+        packed, ent_packed = token_logprobs(lm, row.ids, None, row.score, position_ids=row.positions,
+                                            chunk_tokens=7, with_entropy=True)
+    assert lm.config._attn_implementation != packing.ATTN_NAME  # restored
+    packed, ent_packed = packing.unpack(packed, attn), packing.unpack(ent_packed, attn)
+    assert torch.allclose(packed, padded, atol=1e-5) and torch.allclose(ent_packed, ent_padded, atol=1e-5)
+    assert (packed[~comp] == 0).all() and (packed[comp] < 0).all()
+    packed.sum().backward()
+    for n, p in lm.named_parameters():
+        assert torch.allclose(p.grad, grads[n], atol=1e-5, rtol=1e-4), n
+
+
+@pytest.mark.parametrize("extra", [[], ["finetune.gradient_checkpointing=true"]], ids=["plain", "grad-ckpt"])
+def test_packed_training_matches_padded(tiny_model_dir, tmp_path, extra):
+    path = _write(tmp_path / "s.jsonl", _samples(ref=True))
+    runs = {}
+    for packed in ("false", "true"):
+        out = tmp_path / f"packing-{packed}"
+        ft.run_finetune([path], str(out), _cfg(*RL, "finetune.train_batch_size=6", f"finetune.packing={packed}", *extra), init=tiny_model_dir, quiet=True)
+        runs[packed] = out
+    a, b = _metrics(runs["false"]), _metrics(runs["true"])
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-4)
+    assert sum(r["micro_batches"] for r in a) > sum(r["micro_batches"] for r in b)  # fewer, fuller ones
+    last = "checkpoints/step-000004"
+    assert _max_diff(_weights(runs["false"] / last), _weights(runs["true"] / last)) < 1e-3
 
 
 def test_compile_option():
