@@ -78,7 +78,8 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     """query [1, H, N, D], key/value [1, Hkv, N, D] (RoPE applied) -> [1, N, H, D]."""
     packed = _SEG.packed
     if _SEG.flash:
-        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, heads, D]
+        # bf16 as autocast gives SDPA: RoPE's fp32 cos/sin leave query and key in fp32.
+        q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16).contiguous() for x in (query, key, value))
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, packed.cu, packed.cu, packed.max_len, packed.max_len, 0.0, True, False, scale=scaling)[0]
         return out.unsqueeze(0), None
