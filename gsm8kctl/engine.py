@@ -221,6 +221,7 @@ class InProcessEngine:
     def __init__(self, cfg: dict, run_dir: Path, *, quiet: bool):
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
         self.trainer = None          # training.Trainer, opened at the first finetune
+        self.trainer_start = None    # the directory the trainer loaded
         self.sampler = None          # backends.transformers.TransformersBackend, at the first sampling
         self.sampler_weights = None  # the model directory whose weights the sampler holds now
         self.ref = None              # the reference model's scorer (filter.ref_model), at the first filter
@@ -252,6 +253,7 @@ class InProcessEngine:
             say(note, self.quiet)
             t0 = time.perf_counter()
             self.trainer = Trainer(cfg, self.run_dir, start=start, resume=resume, quiet=self.quiet)
+            self.trainer_start = start  # the weights it loaded (a sampler can open on them)
             self.trainer.background_saves = True
             say(f"trainer ready in {time.perf_counter() - t0:.1f} s (kept for the whole run)", self.quiet)
         t0 = time.perf_counter()
@@ -320,18 +322,29 @@ class InProcessEngine:
 
         if self.sampler is not None and Path(model).resolve() == self.sampler_weights:
             return self.sampler  # the trainer's weights (their checkpoint may still be being written)
+        pending = self.trainer.pending if self.trainer is not None else None
+        if pending is not None and Path(model).resolve() == pending.resolve():
+            # The first sampling after the warm start: its checkpoint is still being written, so
+            # open the sampler on the weights the trainer started from and give it the trainer's.
+            if self.sampler is None:
+                self._open_sampler(Path(resolve_model(self.trainer_start)).resolve())
+            self._refresh_sampler(pending)
+            return self.sampler
         path = Path(resolve_model(model)).resolve()
         if self.sampler is None:
-            from gsm8kctl.backends.transformers import TransformersBackend
-
-            t0 = time.perf_counter()
-            self.sampler = TransformersBackend(str(path), self.cfg)
-            self.sampler_weights = path
-            say(f"sampler ready in {time.perf_counter() - t0:.1f} s (kept for the whole run)", self.quiet)
+            self._open_sampler(path)
         elif self.sampler_weights != path:
             # Not the weights the trainer last gave it (a checkpoint put there by hand, say): load them.
             self._load_sampler_weights(path)
         return self.sampler
+
+    def _open_sampler(self, path: Path) -> None:
+        from gsm8kctl.backends.transformers import TransformersBackend
+
+        t0 = time.perf_counter()
+        self.sampler = TransformersBackend(str(path), self.cfg)
+        self.sampler_weights = path
+        say(f"sampler ready in {time.perf_counter() - t0:.1f} s (kept for the whole run)", self.quiet)
 
     def _refresh_sampler(self, ckpt: Path) -> float | None:
         """Copy the trainer's weights into the sampler in place; the seconds it took."""

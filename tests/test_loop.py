@@ -361,6 +361,26 @@ def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny
     assert _summary(run_dir) == _summary(reference_run)
 
 
+def test_inprocess_evaluates_right_after_a_warm_start(tiny_model_dir, tmp_path):
+    """The warm start's checkpoint is still being written when iteration 0 evaluates, and no sampler
+    exists yet: it opens on the start weights and takes the trainer's (as on an H200, where the
+    1.6 GB write outlasts the evaluation's start)."""
+    run = tmp_path / "run"
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN, "loop.engine=inprocess",
+                   "warmup_sft_steps=2", "warmup_sft_problems=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(read_jsonl(run / "metrics.jsonl"))
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert rows[0]["model"].endswith("step-000002") and rows[0]["test_n"] == 3
+    # The evaluation ran on the warm start's weights: its tapes say so, and match a fresh evaluation.
+    again = run_cli("evaluate", "--model", rows[0]["model"], "-o", str(tmp_path / "again"), "--iteration", "0",
+                    "--limit", "3", "--config", str(run / "config.yaml"), "--backend", "transformers")
+    assert again.returncode == 0, again.stderr[-2000:]
+    first = {t["problem_id"]: t["completion_token_ids"] for t in read_jsonl(run / "eval" / "0000" / "tapes.jsonl")}
+    second = {t["problem_id"]: t["completion_token_ids"] for t in read_jsonl(tmp_path / "again" / "tapes.jsonl")}
+    assert first == second
+
+
 def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path):
     """filter.ref_model in-process: one resident scorer gives every sample its ref_logprobs, and the
     KL term then shows in the iteration's metrics."""
