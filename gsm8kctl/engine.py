@@ -94,8 +94,10 @@ class ProcessEngine:
         self._stage("filter", "--gold", "--split", "train", "--n-problems", str(n_problems), "-o", str(out),
                     "--quiet")
 
-    def finetune(self, samples: Path, steps: int, objective: str | None = None) -> dict:
-        self._stage("finetune", str(samples), "--out", str(self.run_dir), "--steps", str(steps),
+    def finetune(self, samples: Path, steps: int, objective: str | None = None,
+                 overrides: dict | None = None) -> dict:
+        self._stage("finetune", str(samples), *(f"{k}={v}" for k, v in (overrides or {}).items()),
+                    "--out", str(self.run_dir), "--steps", str(steps),
                     *(["--objective", objective] if objective else []))
         return {}
 
@@ -233,7 +235,8 @@ class InProcessEngine:
 
         run_filter([], str(out), self.cfg, gold=True, split="train", n_problems=n_problems, quiet=True)
 
-    def finetune(self, samples_path: Path, steps: int, objective: str | None = None) -> dict:
+    def finetune(self, samples_path: Path, steps: int, objective: str | None = None,
+                 overrides: dict | None = None) -> dict:
         """One phase on the resident trainer, checked like the stage; then the sampler takes its weights."""
         from gsm8kctl.config import set_value
         from gsm8kctl.stages.finetune import _check_finetune_config, _load_and_check, _resolve_start, \
@@ -242,6 +245,8 @@ class InProcessEngine:
         waited = self.wait_saved()  # the previous phase's checkpoint is where this one starts
         cfg = json.loads(json.dumps(self.cfg))  # the phase's copy, as the stage gets it from its options
         set_value(cfg, "finetune.steps", steps)
+        for key, value in (overrides or {}).items():
+            set_value(cfg, key, value)
         objective = resolve_objective(cfg, objective)
         set_value(cfg, "finetune.objective", objective)
         _check_finetune_config(cfg["finetune"])

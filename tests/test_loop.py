@@ -381,6 +381,20 @@ def test_inprocess_evaluates_right_after_a_warm_start(tiny_model_dir, tmp_path):
     assert first == second
 
 
+@pytest.mark.parametrize("engine", ["inprocess", "processes"])
+def test_warm_start_has_its_own_learning_rate(tiny_model_dir, tmp_path, engine):
+    run = tmp_path / "run"
+    iterations = "1" if engine == "inprocess" else "0"  # processes: the warm start is what differs
+    args = [a for a in TINY_RUN if a not in ("--iterations", "1")]
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *args, "--iterations", iterations,
+                   f"loop.engine={engine}", "warmup_sft_steps=2", "warmup_sft_problems=4",
+                   "warmup_sft_learning_rate=3e-4", "finetune.learning_rate=2e-6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")]
+    assert lrs[:2] == [3e-4, 3e-4]
+    assert lrs[2:] == [2e-6] * (len(lrs) - 2) and (len(lrs) > 2) == (engine == "inprocess")
+
+
 def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path):
     """filter.ref_model in-process: one resident scorer gives every sample its ref_logprobs, and the
     KL term then shows in the iteration's metrics."""

@@ -273,7 +273,9 @@ class _Context:
         samples = d / SAMPLES_FILE
         if not samples.exists():
             self.engine.gold_samples(samples, self.cfg["warmup_sft_problems"])
-        self._pending(self.engine.finetune(samples, steps, objective="sft"), "warmup")
+        lr = self.cfg["warmup_sft_learning_rate"]
+        overrides = {"finetune.learning_rate": lr} if lr is not None else {}
+        self._pending(self.engine.finetune(samples, steps, objective="sft", overrides=overrides), "warmup")
 
     def _evaluate(self, it: int) -> None:
         every = self.cfg["test_every_n_iterations"]
