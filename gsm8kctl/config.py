@@ -30,6 +30,23 @@ def default_config() -> dict:
     return yaml.safe_load(text)
 
 
+_DEFAULTS: dict | None = None
+
+
+def setting(cfg: Mapping | None, dotted: str) -> Any:
+    """`cfg`'s value of a dotted key, or default.yaml's where `cfg` lacks it: code that also runs
+    without a full config (a backend made from Python) takes its defaults from the one place."""
+    global _DEFAULTS
+    cur: Any = cfg or {}
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            if _DEFAULTS is None:
+                _DEFAULTS = default_config()
+            return get(_DEFAULTS, dotted)
+        cur = cur[part]
+    return cur
+
+
 def _unknown_key(key: str, where: str) -> UserError:
     close = difflib.get_close_matches(key, schema.dotted_keys(), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gsm8kctl.config import setting
 from gsm8kctl.errors import UserError
 from gsm8kctl.procs import free_port, group_alive, start_supervised
 
@@ -166,7 +167,6 @@ class VLLMServer(ServerProcess):
         from gsm8kctl.backends.vllm import cpu_env, has_gpu
 
         cfg = cfg or {}
-        v = cfg.get("vllm", {})
         self.model_dir = str(model_dir)
         self.served_model_name = served_model_name or self.model_dir
         self._fixed_port = port
@@ -177,18 +177,16 @@ class VLLMServer(ServerProcess):
         full_env.setdefault("TOKENIZERS_PARALLELISM", "false")
         full_env.update(env or {})
         self._args = ["--model", self.model_dir, "--served-model-name", self.served_model_name,
-                      "--host", host, "--dtype", str(v.get("dtype") or "bfloat16"),
+                      "--host", host, "--dtype", str(setting(cfg, "vllm.dtype")),
                       "--logprobs-mode", "raw_logprobs", "--generation-config", "vllm",
-                      "--seed", str(int(cfg.get("seed", 0) or 0))]
-        if v.get("enforce_eager", True):
+                      "--seed", str(int(setting(cfg, "seed")))]
+        if setting(cfg, "vllm.enforce_eager"):
             self._args.append("--enforce-eager")
-        if v.get("max_model_len"):
-            self._args += ["--max-model-len", str(int(v["max_model_len"]))]
-        if v.get("max_num_seqs"):
-            self._args += ["--max-num-seqs", str(int(v["max_num_seqs"]))]
+        for key, flag in (("max_model_len", "--max-model-len"), ("max_num_seqs", "--max-num-seqs")):
+            if setting(cfg, f"vllm.{key}"):
+                self._args += [flag, str(int(setting(cfg, f"vllm.{key}")))]
         if has_gpu():
-            if v.get("gpu_memory_utilization"):
-                self._args += ["--gpu-memory-utilization", str(v["gpu_memory_utilization"])]
+            self._args += ["--gpu-memory-utilization", str(setting(cfg, "vllm.gpu_memory_utilization"))]
         else:
             self._args.append("--no-enable-chunked-prefill")  # see CPU_ENGINE_ARGS in backends/vllm.py
         self._args += list(extra_args)

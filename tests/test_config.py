@@ -147,8 +147,11 @@ def test_enumerations_agree_with_the_code():
     assert choices(schema.KLEstimator) == set(losses.KL_ESTIMATORS)
     assert choices(schema.Objective) == set(finetune.OBJECTIVES)
     assert choices(schema.RLAlgo) <= set(finetune.OBJECTIVES)
-    for v in choices(schema.AutoBool):  # finetune.compile's own parser accepts each
-        finetune._compile_wanted(v, cuda=False)
+    from gsm8kctl import training
+
+    for v in choices(schema.AutoBool):  # finetune.compile's and finetune.packing's parsers accept each
+        training._compile_wanted(v, cuda=False)
+        assert training._packing_wanted(v, cuda=True) == (v != False)  # noqa: E712
 
 
 # ---------------------------------------------------------------------------------------------

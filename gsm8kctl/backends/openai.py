@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from gsm8kctl.backends.base import Completion, SamplingParams
 from gsm8kctl.backends.vllm import PASSTHROUGH_EXTRA, seed_of_request
+from gsm8kctl.config import setting
 from gsm8kctl.errors import UserError
 from gsm8kctl.models import load_tokenizer, stop_token_ids
 
@@ -72,17 +73,16 @@ class OpenAIBackend:
         import httpx
 
         cfg = cfg or {}
-        o = cfg.get("openai", {})
         if base_url is None and model and str(model).startswith(("http://", "https://")):
             base_url, model = model, None  # get_backend("openai", "http://...") works too
-        self.urls = parse_base_urls(base_url if base_url is not None else o.get("base_url"))
+        self.urls = parse_base_urls(base_url if base_url is not None else setting(cfg, "openai.base_url"))
         if not self.urls:
             raise UserError("backend 'openai' needs --base-url URL[,URL...] (or openai.base_url in the config)")
-        self.concurrency = int(concurrency or o.get("concurrency") or 8)
-        self.timeout_s = float(timeout_s or o.get("timeout_s") or 300)
-        self.retries = int(retries if retries is not None else o.get("retries", 4))
-        self.backoff_s = float(backoff_s if backoff_s is not None else o.get("backoff_s", 0.5))
-        key = api_key or o.get("api_key") or "EMPTY"
+        self.concurrency = int(concurrency or setting(cfg, "openai.concurrency"))
+        self.timeout_s = float(timeout_s or setting(cfg, "openai.timeout_s"))
+        self.retries = int(retries if retries is not None else setting(cfg, "openai.retries"))
+        self.backoff_s = float(backoff_s if backoff_s is not None else setting(cfg, "openai.backoff_s"))
+        key = api_key or setting(cfg, "openai.api_key")
         self._client = httpx.Client(
             headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(self.timeout_s, connect=connect_timeout_s),

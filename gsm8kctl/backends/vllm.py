@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gsm8kctl.backends.base import Completion, SamplingParams
+from gsm8kctl.config import setting
 from gsm8kctl.errors import UserError
 from gsm8kctl.logprobs import token_budget_batches
 from gsm8kctl.models import load_tokenizer, stop_token_ids
@@ -85,10 +86,9 @@ def cpu_env(cfg: dict | None = None, base: dict | None = None) -> dict[str, str]
       Only processes started after this (vLLM's engine child, a server) pick it up.
     """
     base = os.environ if base is None else base
-    vcfg = (cfg or {}).get("vllm", {})
     env: dict[str, str] = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in base:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(vcfg.get("kv_cache_gb") or 2))
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(setting(cfg, "vllm.kv_cache_gb")))
     if "VLLM_CPU_OMP_THREADS_BIND" not in base:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         contiguous = cores == list(range(cores[0], cores[-1] + 1))
@@ -239,28 +239,27 @@ class VLLMBackend:
         """`model`: a resolved local directory (or hub id). Settings default to `cfg["vllm"]`;
         extra keyword arguments go to `vllm.LLM` as they are."""
         cfg = cfg or {}
-        v = cfg.get("vllm", {})
         self.model = model
         self.tokenizer = load_tokenizer(model)
         self.stop_ids = stop_token_ids(self.tokenizer)
-        self.score_token_budget = int(score_token_budget or cfg.get("filter", {}).get("score_token_budget") or 16384)
+        self.score_token_budget = int(score_token_budget or setting(cfg, "filter.score_token_budget"))
         engine_args = {
-            "dtype": dtype or v.get("dtype") or "bfloat16",
-            "enforce_eager": v.get("enforce_eager", True) if enforce_eager is None else enforce_eager,
+            "dtype": dtype or setting(cfg, "vllm.dtype"),
+            "enforce_eager": setting(cfg, "vllm.enforce_eager") if enforce_eager is None else enforce_eager,
             # Sampled and prompt log-probs from the raw distribution (before temperature/top-p).
             "logprobs_mode": "raw_logprobs",
             # Our SamplingParams are complete; don't let generation_config.json change defaults.
             "generation_config": "vllm",
-            "seed": int(seed if seed is not None else cfg.get("seed", 0) or 0),
+            "seed": int(seed if seed is not None else setting(cfg, "seed")),
         }
-        max_model_len = max_model_len or v.get("max_model_len")
-        max_num_seqs = max_num_seqs or v.get("max_num_seqs")
+        max_model_len = max_model_len or setting(cfg, "vllm.max_model_len")
+        max_num_seqs = max_num_seqs or setting(cfg, "vllm.max_num_seqs")
         if max_model_len:
             engine_args["max_model_len"] = int(max_model_len)
         if max_num_seqs:
             engine_args["max_num_seqs"] = int(max_num_seqs)
         if has_gpu():
-            engine_args["gpu_memory_utilization"] = float(gpu_memory_utilization or v.get("gpu_memory_utilization") or 0.85)
+            engine_args["gpu_memory_utilization"] = float(gpu_memory_utilization or setting(cfg, "vllm.gpu_memory_utilization"))
         else:
             engine_args.update(CPU_ENGINE_ARGS)
         engine_args.update(engine_kwargs)

@@ -49,7 +49,7 @@ from gsm8kctl.procs import free_port
 from gsm8kctl.progress import say
 from gsm8kctl.rundir import CHECKPOINTS_DIR, FINETUNE_DIR, checkpoint_step, latest_checkpoint
 from gsm8kctl.samples import read_samples
-from gsm8kctl.training import (RESULT_FILE, Trainer, _compile_wanted, _use_bf16, plan_phase,
+from gsm8kctl.training import (RESULT_FILE, Trainer, _use_bf16, plan_phase,
                                start_state)
 
 LAUNCH_FILE = "launch.json"
@@ -138,23 +138,12 @@ def _check_out(out_dir: Path, samples_paths: Sequence[str], cfg: dict) -> None:
 
 
 def _check_finetune_config(ft: dict) -> None:
-    for key in ("train_batch_size", "gradient_accumulation_passes", "token_budget", "seq_length",
-                "logprob_chunk_tokens", "num_processes", "epochs"):
-        if not isinstance(ft[key], int) or ft[key] < 1:
-            raise UserError(f"finetune.{key} must be a positive integer, got {ft[key]!r}")
-    every = ft["save_checkpoint_steps"]
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise UserError(f"finetune.save_checkpoint_steps must be null or a positive integer, got {every!r}")
-    for key in ("steps", "max_steps"):
-        if ft[key] is not None and (not isinstance(ft[key], int) or ft[key] < 0):
-            raise UserError(f"finetune.{key} must be null or a non-negative integer, got {ft[key]!r}")
-    if ft["lr_scheduler"] not in ("constant", "cosine"):
-        raise UserError(f"finetune.lr_scheduler must be constant or cosine, got '{ft['lr_scheduler']}'")
-    if ft["dtype"] not in ("auto", "float32", "bfloat16"):
-        raise UserError(f"finetune.dtype must be auto, float32 or bfloat16, got '{ft['dtype']}'")
-    _compile_wanted(ft["compile"], False)
-    if ft["keep_checkpoints"] < 1:
-        raise UserError("finetune.keep_checkpoints must be at least 1")
+    """The finetune section against the schema once more: a caller from Python may hand over a
+    dict that `load_config` never saw, and a bad value must stop before any worker starts."""
+    from gsm8kctl import config_schema as schema
+
+    for key, problem in schema.check_config(ft, schema.Finetune, "finetune."):
+        raise UserError(f"config: {key} {problem}")
 
 
 def _resolve_start(out_dir: Path, init: str | None, cfg: dict) -> tuple[str, bool, str]:
