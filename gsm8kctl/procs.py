@@ -241,6 +241,95 @@ def run_stage(args: list[str], *, on_start=None, env: dict | None = None, grace_
         raise
 
 
+# ------------------------------------------------------------------------------- the guard
+def start_time(pid: int) -> int | None:
+    """The start time of `pid` (clock ticks since boot, /proc/PID/stat field 22); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+class Guard:
+    """Processes that must not outlive us although no supervisor is above them: vLLM's engine
+    core and workers, started by an in-process engine in a stage run by hand (`gsm8kctl sample
+    --backend vllm`). Killed with -9, such a stage used to leave them orphaned to init, ~3 GB.
+
+    A guard process (`python -m gsm8kctl.procs --guard`) is given their pids and start times on
+    a pipe. When our pid is no longer its parent's (we died, however), it TERMs them, waits
+    `grace_s` and KILLs what is left, only where the start time still matches: a pid reused
+    meanwhile is never signalled. `release()` (the engine was shut down) ends it quietly.
+    """
+
+    def __init__(self, grace_s: float = 3.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gsm8kctl.procs", "--guard", "--grace", str(grace_s), "--parent", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=True)  # holding no stdout: a pipeline after us sees its EOF when we end
+
+    def add(self, pids: list[int]) -> None:
+        lines = [f"{pid} {t}\n" for pid in pids if pid != self.proc.pid and (t := start_time(pid)) is not None]
+        self.proc.stdin.write("".join(lines))
+        self.proc.stdin.flush()
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.write("done\n")
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def guard(parent: int, grace_s: float) -> int:
+    """The guard's side: collect `pid start` lines until "done" (exit 0) or the parent's death."""
+    import select
+
+    watched: dict[int, int] = {}
+    buf = ""
+    open_pipe = True
+    fd = sys.stdin.fileno()
+
+    def read(timeout: float) -> bool:
+        """Take what the pipe holds; False once our owner said "done"."""
+        nonlocal buf, open_pipe
+        while open_pipe and select.select([fd], [], [], timeout)[0]:
+            chunk = os.read(fd, 65536).decode()
+            if not chunk:
+                open_pipe = False  # closed by the owner's death (or still held by a forked child)
+                break
+            buf += chunk
+            *lines, buf = buf.split("\n")
+            for line in lines:
+                if line == "done":
+                    return False
+                pid, t = line.split()
+                watched[int(pid)] = int(t)
+            timeout = 0.0
+        return True
+
+    while os.getppid() == parent:
+        if not read(0.2):
+            return 0
+        if not open_pipe:
+            time.sleep(0.2)
+    if not read(0.0):  # what the owner wrote just before it died
+        return 0
+
+    def ours() -> list[int]:
+        return [pid for pid, t in watched.items() if start_time(pid) == t and (_stat(pid) or ("Z",))[0] not in ("Z", "X")]
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        for pid in ours():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.time() + wait
+        while ours() and time.time() < deadline:
+            time.sleep(0.1)
+    return 0
+
+
 # ------------------------------------------------------------------------------- the supervisor
 class _Stop(Exception):
     pass
@@ -333,8 +422,11 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m gsm8kctl.procs", description="supervise one command")
     ap.add_argument("--grace", type=float, default=5.0)
     ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--guard", action="store_true", help="guard the processes named on stdin (Guard)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    if args.guard:
+        return guard(args.parent, args.grace)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return supervise(cmd, args.grace, args.parent)
 

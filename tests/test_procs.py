@@ -156,3 +156,44 @@ def test_a_signal_to_the_supervisor_alone_ends_the_tree(sig):
     left = _wait_all_gone(pids, 5)
     _kill(left)
     assert not left
+
+
+# A parent that starts two sleeps, guards the first (and a pid whose start time does not match,
+# as a reused pid would not), prints the pids, and waits to be killed -- or releases the guard.
+GUARDED = textwrap.dedent("""
+    import subprocess, sys, time
+    from gsm8kctl.procs import Guard, start_time
+    kept = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "301"], start_new_session=True)
+    g = Guard(grace_s=1.0)
+    g.add([kept.pid])
+    g.proc.stdin.write(f"{other.pid} {start_time(other.pid) + 1}\\n")  # not the process that runs now
+    g.proc.stdin.flush()
+    print(kept.pid, other.pid, g.proc.pid, flush=True)
+    if sys.argv[1] == "release":
+        g.release()
+        print("released", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "release"])
+def test_guarded_processes_go_when_their_owner_is_killed(how):
+    """kill -9 of the owner: the guarded process is stopped (not the one whose start time does not
+    match); released first, nothing is stopped and the guard exits."""
+    owner = subprocess.Popen([sys.executable, "-c", GUARDED, how], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    kept, other, guard = map(int, owner.stdout.readline().split())
+    try:
+        if how == "release":
+            assert owner.stdout.readline().strip() == "released"
+            assert _wait_all_gone([guard], 5) == []
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        if how == "sigkill":
+            assert _wait_all_gone([kept, guard], 10) == [], "the guarded process outlived its owner"
+        else:
+            time.sleep(1.5)
+            assert _alive(kept)
+        assert _alive(other), "a process whose start time does not match was signalled"
+    finally:
+        _kill([kept, other, guard])

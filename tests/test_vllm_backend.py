@@ -43,6 +43,58 @@ def prompts(backend):
     return [render_prompt(backend.tokenizer, agent.build_messages(q))[1] for q in QUESTIONS]
 
 
+def test_sigkill_of_a_stage_run_by_hand_leaves_no_engine(smollm2_dir, tmp_path):
+    """`gsm8kctl evaluate --backend vllm` run directly (no loop, no supervisor) and killed with -9
+    while its engine runs: within 10 s vLLM's engine core and workers are gone too (procs.Guard)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from gsm8kctl.procs import _stat, live_descendants, start_time
+
+    cmd = [sys.executable, "-m", "gsm8kctl", "evaluate", "--model", smollm2_dir, "--backend", "vllm",
+           "--limit", "8", "-o", str(tmp_path / "eval"), "evaluation.max_tokens=512"]
+    with open(tmp_path / "stage.log", "w") as log:
+        stage = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def engine() -> list[int]:
+        found = []
+        for p in live_descendants(stage.pid):
+            try:
+                if b"VLLM::" in open(f"/proc/{p}/cmdline", "rb").read():
+                    found.append(p)
+            except OSError:
+                pass
+        return found
+
+    deadline = time.time() + 600
+    while not engine():
+        assert stage.poll() is None, (tmp_path / "stage.log").read_text()[-3000:]
+        assert time.time() < deadline, "the engine did not start"
+        time.sleep(0.2)
+    time.sleep(3)  # into the engine's start (weights, workers) or its first steps
+    tree = {p: start_time(p) for p in live_descendants(stage.pid)}
+    assert len(engine()) >= 1 and len(tree) >= 2, tree  # the engine core (+ workers) and the guard
+    stage.send_signal(signal.SIGKILL)
+    stage.wait()
+
+    def left() -> list[int]:
+        return [p for p, t in tree.items() if start_time(p) == t and (_stat(p) or ("Z",))[0] not in ("Z", "X")]
+
+    deadline = time.time() + 10
+    while left() and time.time() < deadline:
+        time.sleep(0.1)
+    survivors = left()
+    for p in survivors:  # do not leave gigabytes behind for the next test
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not survivors, f"processes of the stage outlived it by 10 s: {survivors}"
+
+
 def _check_completion(c, backend, max_tokens):
     assert c.finish_reason in ("stop", "length")
     assert len(c.token_ids) == len(c.logprobs) > 0

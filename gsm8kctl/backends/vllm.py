@@ -164,12 +164,44 @@ def _acquire_engine(model: str, engine_args: dict, cfg: dict):
         for other in _ENGINES:
             raise UserError(f"a vLLM engine for {other[0]} is still open in this process; close that backend "
                             "before opening another model or settings (or score with --backend transformers)")
-        with engine_env(cfg):  # before vllm's first import: it reads some settings then
+        with _guarded() as guard, engine_env(cfg):  # before vllm's first import: it reads settings then
             from vllm import LLM
 
             llm = LLM(model=model, **engine_args)
-        _ENGINES[key] = [llm, 1]
+        _ENGINES[key] = [llm, 1, guard]
         return key, llm
+
+
+@contextlib.contextmanager
+def _guarded():
+    """The engine core and its workers go with us even when we are killed with -9 (procs.Guard):
+    the processes that appear below us while the engine starts are handed to a guard as they come."""
+    from gsm8kctl.procs import Guard, live_descendants
+
+    guard = Guard()
+    known = set(live_descendants(os.getpid()))
+    started = threading.Event()
+
+    def watch() -> None:
+        while True:
+            done = started.wait(0.5)
+            now = set(live_descendants(os.getpid()))
+            guard.add(sorted(now - known))
+            known.update(now)
+            if done:
+                return
+
+    watcher = threading.Thread(target=watch, name="vllm-guard", daemon=True)
+    watcher.start()
+    try:
+        yield guard
+    except BaseException:
+        started.set()
+        watcher.join()
+        guard.release()
+        raise
+    started.set()
+    watcher.join()
 
 
 def _release_engine(key: tuple) -> None:
@@ -180,10 +212,10 @@ def _release_engine(key: tuple) -> None:
         entry[1] -= 1
         if entry[1] <= 0:
             del _ENGINES[key]
-            _shutdown(entry[0])
+            _shutdown(entry[0], entry[2])
 
 
-def _shutdown(llm) -> None:
+def _shutdown(llm, guard=None) -> None:
     # Stops the engine core child and its sockets now rather than at garbage collection: an
     # engine torn down during interpreter exit sometimes aborts ("terminate called without an
     # active exception") after all results were returned.
@@ -195,6 +227,8 @@ def _shutdown(llm) -> None:
 
     del llm
     gc.collect()
+    if guard is not None:
+        guard.release()
 
 
 def shutdown_all() -> None:
@@ -202,8 +236,8 @@ def shutdown_all() -> None:
     with _LOCK:
         entries = list(_ENGINES.values())
         _ENGINES.clear()
-    for llm, _ in entries:
-        _shutdown(llm)
+    for llm, _, guard in entries:
+        _shutdown(llm, guard)
 
 
 atexit.register(shutdown_all)
