@@ -253,7 +253,7 @@ def _worker_main(argv: list[str]) -> int:
         train(samples, Path(spec["out"]), spec["cfg"], start=spec["start"], resume=spec["resume"],
               metrics_path=spec["metrics_path"], quiet=spec["quiet"], source=spec["samples"])
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}", verbatim=True)
         return EXIT_BAD_INPUT
     return 0
 
