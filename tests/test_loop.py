@@ -361,18 +361,22 @@ def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny
     assert _summary(run_dir) == _summary(reference_run)
 
 
-def test_inprocess_evaluates_right_after_a_warm_start(tiny_model_dir, tmp_path):
-    """The warm start's checkpoint is still being written when iteration 0 evaluates, and no sampler
-    exists yet: it opens on the start weights and takes the trainer's (as on an H200, where the
-    1.6 GB write outlasts the evaluation's start)."""
+def test_inprocess_warm_start_then_evaluate_at_its_own_learning_rate(tiny_model_dir, tmp_path):
+    """The warm start trains at warmup_sft_learning_rate, the iterations at finetune.learning_rate.
+    Its checkpoint is still being written when iteration 0 evaluates, and no sampler exists yet:
+    it opens on the start weights and takes the trainer's (as on an H200, where the 1.6 GB write
+    outlasts the evaluation's start)."""
     run = tmp_path / "run"
     proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN, "loop.engine=inprocess",
-                   "warmup_sft_steps=2", "warmup_sft_problems=4")
+                   "warmup_sft_steps=2", "warmup_sft_problems=4", "warmup_sft_learning_rate=3e-4",
+                   "finetune.learning_rate=2e-6")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")]
+    assert lrs[:2] == [3e-4, 3e-4] and len(lrs) > 2 and lrs[2:] == [2e-6] * (len(lrs) - 2)
     rows = list(read_jsonl(run / "metrics.jsonl"))
     assert [r["iteration"] for r in rows] == [0, 1]
     assert rows[0]["model"].endswith("step-000002") and rows[0]["test_n"] == 3
-    # The evaluation ran on the warm start's weights: its tapes say so, and match a fresh evaluation.
+    # The evaluation ran on the warm start's weights: its tokens match a fresh evaluation.
     again = run_cli("evaluate", "--model", rows[0]["model"], "-o", str(tmp_path / "again"), "--iteration", "0",
                     "--limit", "3", "--config", str(run / "config.yaml"), "--backend", "transformers")
     assert again.returncode == 0, again.stderr[-2000:]
@@ -381,18 +385,14 @@ def test_inprocess_evaluates_right_after_a_warm_start(tiny_model_dir, tmp_path):
     assert first == second
 
 
-@pytest.mark.parametrize("engine", ["inprocess", "processes"])
-def test_warm_start_has_its_own_learning_rate(tiny_model_dir, tmp_path, engine):
+def test_processes_warm_start_has_its_own_learning_rate(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    iterations = "1" if engine == "inprocess" else "0"  # processes: the warm start is what differs
     args = [a for a in TINY_RUN if a not in ("--iterations", "1")]
-    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *args, "--iterations", iterations,
-                   f"loop.engine={engine}", "warmup_sft_steps=2", "warmup_sft_problems=4",
-                   "warmup_sft_learning_rate=3e-4", "finetune.learning_rate=2e-6")
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *args, "--iterations", "0",
+                   "loop.engine=processes", "warmup_sft_steps=2", "warmup_sft_problems=4",
+                   "warmup_sft_learning_rate=3e-4", "finetune.learning_rate=2e-6", "test_every_n_iterations=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lrs = [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")]
-    assert lrs[:2] == [3e-4, 3e-4]
-    assert lrs[2:] == [2e-6] * (len(lrs) - 2) and (len(lrs) > 2) == (engine == "inprocess")
+    assert [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == [3e-4, 3e-4]
 
 
 def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path):
