@@ -108,8 +108,8 @@ def _use_bf16(dtype: str, cuda: bool) -> bool:
     return dtype == "bfloat16" or (dtype == "auto" and cuda)
 
 
-def _compile_wanted(value, cuda: bool) -> bool:
-    """finetune.compile: auto = on CUDA only (on CPU compiling costs more than it saves)."""
+def _on_cuda_by_default(key: str, value, cuda: bool) -> bool:
+    """An auto | true | false setting: auto = on CUDA only."""
     v = str(value).strip().lower()
     if v == "auto":
         return cuda
@@ -117,13 +117,17 @@ def _compile_wanted(value, cuda: bool) -> bool:
         return True
     if v in ("false", "0", "no", "off", "none"):
         return False
-    raise UserError(f"finetune.compile must be auto, true or false, got {value!r}")
+    raise UserError(f"{key} must be auto, true or false, got {value!r}")
+
+
+def _compile_wanted(value, cuda: bool) -> bool:
+    """finetune.compile: on CPU compiling costs more than it saves."""
+    return _on_cuda_by_default("finetune.compile", value, cuda)
 
 
 def _packing_wanted(value, cuda: bool) -> bool:
-    """finetune.packing: auto = on CUDA, where padding wastes compute and new widths recompile."""
-    v = str(value).strip().lower()
-    return cuda if v == "auto" else v in ("true", "1", "yes", "on")
+    """finetune.packing: on CUDA padding wastes compute and every new width recompiles."""
+    return _on_cuda_by_default("finetune.packing", value, cuda)
 
 
 def _make_policy_module(lm, chunk_tokens: int):
