@@ -91,8 +91,9 @@ class ProcessEngine:
         self._save_state = save_state
 
     def gold_samples(self, out: Path, n_problems: int) -> None:
-        self._stage("filter", "--gold", "--split", "train", "--n-problems", str(n_problems), "-o", str(out),
-                    "--quiet")
+        # SFT needs no reference log-probs (and filter.ref_model=start does not exist yet).
+        self._stage("filter", "--gold", "filter.ref_model=null", "--split", "train", "--n-problems", str(n_problems),
+                    "-o", str(out), "--quiet")
 
     def finetune(self, samples: Path, steps: int, objective: str | None = None,
                  overrides: dict | None = None) -> dict:
@@ -172,8 +173,9 @@ class ProcessEngine:
                             f"{self.run_dir}; fix the cause and rerun the same command to resume")
         shards.merge(tapes_file, tapes_files, self.run_dir / LLM_CALLS_FILE, calls_files, ids)
 
-    def filter(self, tapes: Path, out: Path) -> None:
-        self._stage("filter", str(tapes), "-o", str(out), "--quiet")
+    def filter(self, tapes: Path, out: Path, ref_model: str | None) -> None:
+        ref = ("--ref-model", ref_model) if ref_model else ()
+        self._stage("filter", str(tapes), "-o", str(out), *ref, "--quiet")
 
     def wait_saved(self) -> float:
         return 0.0  # the finetune stage saved before it exited
@@ -233,7 +235,8 @@ class InProcessEngine:
     def gold_samples(self, out: Path, n_problems: int) -> None:
         from gsm8kctl.stages.filter import run_filter
 
-        run_filter([], str(out), self.cfg, gold=True, split="train", n_problems=n_problems, quiet=True)
+        cfg = {**self.cfg, "filter": {**self.cfg["filter"], "ref_model": None}}  # as ProcessEngine's
+        run_filter([], str(out), cfg, gold=True, split="train", n_problems=n_problems, quiet=True)
 
     def finetune(self, samples_path: Path, steps: int, objective: str | None = None,
                  overrides: dict | None = None) -> dict:
@@ -285,16 +288,16 @@ class InProcessEngine:
                calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
                backend=self._sampler(model), quiet=True)
 
-    def filter(self, tapes: Path, out: Path) -> None:
+    def filter(self, tapes: Path, out: Path, ref_model: str | None) -> None:
         from gsm8kctl.stages.filter import run_filter
 
-        run_filter([str(tapes)], str(out), self.cfg, quiet=True, scorer=self._ref_scorer())
+        run_filter([str(tapes)], str(out), self.cfg, quiet=True, ref_model=ref_model,
+                   scorer=self._ref_scorer(ref_model))
 
-    def _ref_scorer(self):
-        """filter.ref_model on the transformers backend, loaded once; None: the stage opens its own."""
+    def _ref_scorer(self, ref: str | None):
+        """The reference model on the transformers backend, loaded once; None: the stage opens its own."""
         from gsm8kctl.backends import resolve_backend_name
 
-        ref = self.cfg["filter"]["ref_model"]
         if ref is None or resolve_backend_name(self.cfg["filter"]["ref_backend"]) != "transformers":
             return None  # (a vLLM scorer would hold its GPU share between phases)
         if self.ref is None:

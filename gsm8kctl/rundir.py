@@ -45,6 +45,9 @@ TRAINING_STATE_DIR = "training_state"
 TRAINING_STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 PHASES = ("evaluate", "sample", "filter", "finetune", "record")
+# filter.ref_model's name, in the loop, for the model its first iteration samples with (the
+# warm-start checkpoint, or `model`): a KL to where RL began, whose path is not known beforehand.
+START_MODEL = "start"
 
 
 def iteration_dir(run: Path, it: int) -> Path:
@@ -231,6 +234,9 @@ def _check_state(state, path: Path) -> dict:
                                     and isinstance(pending.get("iteration"), int)
                                     and isinstance(pending.get("cursor"), int)):
         raise bad("pending_save", "null or an object with checkpoint, phase, iteration and cursor")
+    start = state.get("start_model")
+    if start is not None and not isinstance(start, str):
+        raise bad("start_model", "null or the path of the model the run started from")
     state.setdefault("problems", None)
     return state
 

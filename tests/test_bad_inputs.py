@@ -320,6 +320,9 @@ PATHS = [
     Case("filter-unknown-hub-ref-model-offline", ["filter", T, "-o", "{tmp}/s.jsonl", "--ref-model",
                                                   "nosuch-org/nosuch-model"], "nosuch-org/nosuch-model",
          files(tapes_jsonl=TAPES)),
+    # `start` names a loop's starting model: outside the loop it is refused, not taken for a path
+    Case("filter-ref-model-start-outside-the-loop", ["filter", T, "-o", "{tmp}/s.jsonl", "filter.ref_model=start"],
+         "filter.ref_model 'start'", files(tapes_jsonl=TAPES)),
     # refused runs write no config: sample's <out>.config.yaml, loop's config.yaml
     Case("sample-refused-writes-no-config", ["sample", "-o", T, "--problem-ids", "train-99999", "--model", "{tiny}"],
          "train-99999"),

@@ -385,21 +385,40 @@ def test_inprocess_warm_start_then_evaluate_at_its_own_learning_rate(tiny_model_
     assert first == second
 
 
-def test_processes_warm_start_has_its_own_learning_rate(tiny_model_dir, tmp_path):
+def test_processes_warm_start_own_learning_rate_and_kl_to_it(tiny_model_dir, tmp_path):
+    """The processes engine: the warm start at its own rate, and filter.ref_model=start scores every
+    sample with the warm start's checkpoint (the filter child gets its path), kept from pruning."""
     run = tmp_path / "run"
-    args = [a for a in TINY_RUN if a not in ("--iterations", "1")]
-    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *args, "--iterations", "0",
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN,
                    "loop.engine=processes", "warmup_sft_steps=2", "warmup_sft_problems=4",
-                   "warmup_sft_learning_rate=3e-4", "finetune.learning_rate=2e-6", "test_every_n_iterations=0")
+                   "warmup_sft_learning_rate=3e-4", "finetune.learning_rate=2e-6", "test_every_n_iterations=0",
+                   "filter.ref_model=start", "finetune.rl.kl_coef=0.1", "finetune.keep_checkpoints=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == [3e-4, 3e-4]
+    assert [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == [3e-4, 3e-4, 2e-6, 2e-6]
+    warm = run / "checkpoints" / "step-000002"
+    assert Path(_state(run)["start_model"]) == warm
+    assert (warm / "keep").read_text().startswith("the KL reference")  # keep_checkpoints=1 left it
+    _check_ref_logprobs(run, warm, tmp_path)
+
+
+def _check_ref_logprobs(run: Path, ref: Path, tmp_path: Path) -> None:
+    """Iteration 0's samples carry ref log-probs of the checkpoint `ref`: those a fresh `filter
+    --ref-model` gives the same tapes."""
+    out = tmp_path / "again.jsonl"
+    again = run_cli("filter", str(run / "iterations" / "0000" / "tapes.jsonl"), "-o", str(out), "--ref-model",
+                    str(ref), "--config", str(run / "config.yaml"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    loop_refs = [s["ref_logprobs"] for s in read_jsonl(run / "iterations" / "0000" / "samples.jsonl")]
+    assert loop_refs and all(loop_refs)
+    assert loop_refs == [s["ref_logprobs"] for s in read_jsonl(out)]
 
 
 def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path):
     """filter.ref_model in-process: one resident scorer gives every sample its ref_logprobs, and the
-    KL term then shows in the iteration's metrics."""
+    KL term then shows in the iteration's metrics. `start` is the model iteration 0 sampled with."""
     run = tmp_path / "run"
-    _loop_without(tiny_model_dir, run, f"filter.ref_model={tiny_model_dir}", "finetune.rl.kl_coef=0.1")
+    _loop_without(tiny_model_dir, run, "filter.ref_model=start", "finetune.rl.kl_coef=0.1")
+    assert Path(_state(run)["start_model"]).resolve() == Path(tiny_model_dir).resolve()  # no warm start
     samples = list(read_jsonl(run / "iterations" / "0000" / "samples.jsonl"))
     assert len(samples) == 8
     for s in samples:
@@ -409,6 +428,7 @@ def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path)
         assert max(abs(a - b) for a, b in zip(s["ref_logprobs"], s["old_logprobs"])) < 0.5
     row = list(read_jsonl(run / "metrics.jsonl"))[0]
     assert row["train_kl_mean"] is not None and row["train_kl_max"] >= row["train_kl_mean"] >= 0
+    _check_ref_logprobs(run, Path(tiny_model_dir), tmp_path)
 
 
 def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, tmp_path):

@@ -366,6 +366,11 @@ def run_filter(
     """
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
+    from gsm8kctl.rundir import START_MODEL
+
+    if (ref_model or cfg["filter"]["ref_model"]) == START_MODEL:
+        raise UserError(f"filter.ref_model '{START_MODEL}' stands for the model a `gsm8kctl loop` started from; "
+                        f"here pass the model itself (--ref-model PATH, or ./{START_MODEL} for a directory of that name)")
     if ref_model or cfg["filter"]["ref_model"]:
         from gsm8kctl.models import resolve_model
 

@@ -25,8 +25,8 @@ from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import check_output_dir
 from gsm8kctl.procs import StageRecord
 from gsm8kctl.progress import console, say
-from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, PHASES, RUN_METRICS_FILE, STATE_FILE,
-                             WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
+from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PHASES, RUN_METRICS_FILE, STATE_FILE,
+                             START_MODEL, WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
                              load_state, mark_keep, save_state, unmark_keep)
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
@@ -207,7 +207,8 @@ class _Context:
             st.update({k: pending[k] for k in ("iteration", "phase", "cursor", "problems")})
         if st["phase"] == "warmup":
             self._warmup()
-            st.update(phase="evaluate")
+            start = self.current_model()  # the warm start's checkpoint, or the model itself resolved
+            st.update(phase="evaluate", start_model=self.base_model if start == self.cfg["model"] else start)
             save_state(self.run_dir, st)
         iterations = self.cfg["iterations"]
         while st["iteration"] <= iterations:
@@ -274,7 +275,8 @@ class _Context:
         if not samples.exists():
             self.engine.gold_samples(samples, self.cfg["warmup_sft_problems"])
         lr = self.cfg["warmup_sft_learning_rate"]
-        overrides = {"finetune.learning_rate": lr} if lr is not None else {}
+        # No KL term: the warm start is what the KL of the iterations (ref_model=start) measures against.
+        overrides = {"finetune.rl.kl_coef": 0.0, **({"finetune.learning_rate": lr} if lr is not None else {})}
         self._pending(self.engine.finetune(samples, steps, objective="sft", overrides=overrides), "warmup")
 
     def _evaluate(self, it: int) -> None:
@@ -304,7 +306,23 @@ class _Context:
         self._settle(it)  # the write ran while this phase sampled
 
     def _filter(self, it: int) -> None:
-        self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE)
+        self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE, self._reference())
+
+    def _reference(self) -> str | None:
+        """filter.ref_model, with `start` read as the model iteration 0 sampled with; a checkpoint of
+        this run that serves as the reference is kept from pruning (the KL needs it every iteration)."""
+        ref = self.cfg["filter"]["ref_model"]
+        if ref != START_MODEL:
+            return ref
+        start = self.state.get("start_model")
+        if start is None:
+            raise UserError(f"{self.run_dir}: filter.ref_model={START_MODEL} needs the model this run started "
+                            "from, and its state.json (written before this option existed) does not say; set "
+                            "filter.ref_model to that model's path")
+        ckpt = Path(start)
+        if is_own_checkpoint(self.run_dir, ckpt) and not (ckpt / KEEP_MARKER).exists():
+            mark_keep(ckpt, "the KL reference (filter.ref_model=start)")
+        return start
 
     def _finetune(self, it: int) -> None:
         samples = self.it_dir(it) / SAMPLES_FILE
@@ -369,10 +387,14 @@ class _Context:
         if ckpt is None:  # the base model was best: nothing of ours to keep
             self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": None}
             return
-        if best and best["checkpoint"] and Path(best["checkpoint"]).exists():
+        if best and best["checkpoint"] and Path(best["checkpoint"]).exists() and not self._is_reference(best["checkpoint"]):
             unmark_keep(Path(best["checkpoint"]))
         mark_keep(ckpt, f"best strict test accuracy {accuracy} at iteration {it}")
         self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": str(ckpt)}
+
+    def _is_reference(self, ckpt: str) -> bool:
+        return (self.cfg["filter"]["ref_model"] == START_MODEL and self.state.get("start_model") is not None
+                and Path(self.state["start_model"]).resolve() == Path(ckpt).resolve())
 
     # ------------------------------------------------------------------ talk
     def _banner(self, it: int, phase: str) -> None:
