@@ -164,7 +164,7 @@ class VLLMServer(ServerProcess):
                  cfg: dict | None = None, host: str = "127.0.0.1", port: int | None = None,
                  served_model_name: str | None = None, extra_args: list[str] | tuple = (),
                  startup_timeout_s: float = 600, grace_s: float = 15, port_retries: int = 3):
-        from gsm8kctl.backends.vllm import cpu_env, has_gpu
+        from gsm8kctl.backends.vllm import cpu_env, engine_dtype, has_gpu
 
         cfg = cfg or {}
         self.model_dir = str(model_dir)
@@ -177,7 +177,7 @@ class VLLMServer(ServerProcess):
         full_env.setdefault("TOKENIZERS_PARALLELISM", "false")
         full_env.update(env or {})
         self._args = ["--model", self.model_dir, "--served-model-name", self.served_model_name,
-                      "--host", host, "--dtype", str(setting(cfg, "vllm.dtype")),
+                      "--host", host, "--dtype", engine_dtype(str(setting(cfg, "vllm.dtype"))),
                       "--logprobs-mode", "raw_logprobs", "--generation-config", "vllm",
                       "--seed", str(int(setting(cfg, "seed")))]
         if setting(cfg, "vllm.enforce_eager"):

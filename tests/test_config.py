@@ -386,3 +386,20 @@ def test_validate_a_library_dict():
     msg = "^config: unknown config key 'sampling.top_k'; did you mean sampling.top_p"
     with pytest.raises(UserError, match=msg):
         validate(cfg)
+
+
+def test_vllm_dtype_auto_is_float32_where_the_cpu_emulates_bfloat16(tmp_path):
+    from gsm8kctl.backends.vllm import engine_dtype, native_bf16_cpu
+
+    amx, avx, plain = tmp_path / "amx", tmp_path / "avx", tmp_path / "plain"
+    amx.write_text("flags\t\t: fpu sse2 avx2 amx_bf16 amx_tile\n")
+    avx.write_text("flags\t\t: fpu avx512f avx512_bf16\n")
+    plain.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16x\n")  # a longer name is not the flag
+    assert native_bf16_cpu(str(amx)) and native_bf16_cpu(str(avx))
+    assert not native_bf16_cpu(str(plain)) and not native_bf16_cpu(str(tmp_path / "absent"))
+    assert engine_dtype("float16") == "float16" and engine_dtype("bfloat16") == "bfloat16"
+    import torch
+
+    if not torch.cuda.is_available():
+        assert engine_dtype("auto") == ("bfloat16" if native_bf16_cpu() else "float32")
+    assert default_config()["vllm"]["dtype"] == "auto"

@@ -23,6 +23,7 @@ import ctypes.util
 import glob
 import hashlib
 import os
+import re
 import sys
 import threading
 import time
@@ -56,6 +57,24 @@ def has_gpu() -> bool:
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001 - no torch, no GPU
         return False
+
+
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """The CPU computes bfloat16 natively (AVX-512 BF16 or AMX); elsewhere it is emulated."""
+    try:
+        flags = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def engine_dtype(dtype: str) -> str:
+    """vllm.dtype for vLLM's --dtype: `auto` is bfloat16 on a GPU or a CPU with native bfloat16, and
+    float32 on other CPUs, where emulated bfloat16 generated 33 tokens/s against 108 in float32
+    (SmolLM2-135M, 2-core AMD EPYC, docs/benchmarks.md)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if has_gpu() or native_bf16_cpu() else "float32"
 
 
 def _find_tcmalloc() -> str | None:
@@ -278,7 +297,7 @@ class VLLMBackend:
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.score_token_budget = int(score_token_budget or setting(cfg, "filter.score_token_budget"))
         engine_args = {
-            "dtype": dtype or setting(cfg, "vllm.dtype"),
+            "dtype": engine_dtype(dtype or setting(cfg, "vllm.dtype")),
             "enforce_eager": setting(cfg, "vllm.enforce_eager") if enforce_eager is None else enforce_eager,
             # Sampled and prompt log-probs from the raw distribution (before temperature/top-p).
             "logprobs_mode": "raw_logprobs",
