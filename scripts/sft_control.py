@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, help="YAML config (default: the RL run's config.yaml)")
     ap.add_argument("--gold-problems", type=int, help="gold solutions of the first N train problems (default: all)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may follow the options
 
     from gsm8kctl.config import load_config, save_config, set_value
     from gsm8kctl.engine import InProcessEngine

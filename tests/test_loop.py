@@ -436,7 +436,7 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
     before each of its evaluations, evaluates at the same points; the report tabulates both."""
     control = tmp_path / "control"
     proc = subprocess.run([sys.executable, "scripts/sft_control.py", str(control), "--like", str(reference_run),
-                           "--gold-problems", "64"],
+                           "--gold-problems", "64", "finetune.rl.kl_coef=0"],  # overrides after the options
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rl = list(read_jsonl(reference_run / "metrics.jsonl"))
