@@ -22,7 +22,6 @@ from pathlib import Path
 
 from gsm8kctl import agent, llm_calls
 from gsm8kctl.backends import Backend, Completion, SamplingParams, get_backend, resolve_backend_name
-from gsm8kctl.backends.sampling import completion_seed
 from gsm8kctl.chat import render_prompt
 from gsm8kctl.data import load_problems
 from gsm8kctl.errors import UserError
@@ -132,6 +131,8 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
     jobs = [(by_id[pid], attempt) for pid, todo in missing.items() for attempt in todo]
     rendered = {pid: prompt_for(cfg, backend.tokenizer, by_id[pid], pool) for pid in missing}
     ids_of = {(p["id"], attempt): tape_id(p["id"], iteration, attempt, model_label) for p, attempt in jobs}
+    from gsm8kctl.backends.sampling import completion_seed  # imports torch: not before the input checks
+
     seeds = None if params.seed is None else [completion_seed(params.seed, ids_of[(p["id"], a)]) for p, a in jobs]
     stats = {"tapes": 0, "tokens": 0, "skipped": skipped}
     if existing is not None:

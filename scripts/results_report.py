@@ -83,7 +83,7 @@ def table(runs: list[dict], references: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], references: list[tuple[str, dict]], path: Path) -> None:
+def plot(runs: list[dict], references: list[tuple[str, dict]], path: Path, x: str = "wall") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,18 +91,19 @@ def plot(runs: list[dict], references: list[tuple[str, dict]], path: Path) -> No
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
     for ax, (key, title) in zip(axes.flat, CURVES):
-        for r in runs:
+        for i, r in enumerate(runs):
             times = r["eval_elapsed_s"] if key.startswith("test_") else r["elapsed_s"]
-            pts = [(t / 60, value(row, key)) for row, t in zip(r["rows"], times) if value(row, key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), "o-", ms=3, label=r["label"])
+            xs = [row["iteration"] for row in r["rows"]] if x == "iteration" else [t / 60 for t in times]
+            pts = [(at, value(row, key)) for row, at in zip(r["rows"], xs) if value(row, key) is not None]
+            # One colour per run in every panel, also where a run has no such curve (the SFT control).
+            ax.plot(*(zip(*pts) if pts else ([], [])), "o-", ms=3, color=f"C{i}", label=r["label"])
         if key.startswith("test_accuracy"):
             src = "accuracy_strict" if key.endswith("strict") else "accuracy_lenient"
             for label, m in references:
                 ax.axhline(m[src], ls=":", lw=1, color="grey")
                 ax.annotate(label, (0, m[src]), fontsize=7, color="grey", va="bottom")
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("wall time (min, warm start excluded)", fontsize=8)
+        ax.set_xlabel("iteration" if x == "iteration" else "wall time (min, warm start excluded)", fontsize=8)
         ax.grid(alpha=0.3)
     axes.flat[-1].axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -119,6 +120,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="RUN_DIR or RUN_DIR=LABEL")
     ap.add_argument("--reference", action="append", default=[], help="LABEL=PATH/metrics.json of an evaluate run")
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--x", choices=("wall", "iteration"), default="wall",
+                    help="the plot's x axis: wall time, or iteration (runs that shared a GPU)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     runs = []
@@ -131,7 +134,7 @@ def main() -> None:
         references.append((label, json.loads(Path(path).read_text(encoding="utf-8"))))
     print(table(runs, references))
     if args.plot:
-        plot(runs, references, args.plot)
+        plot(runs, references, args.plot, args.x)
     if args.json:
         args.json.write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "rows"} for r in runs],
                                          "references": dict(references)}, indent=1))

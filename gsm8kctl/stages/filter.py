@@ -174,10 +174,6 @@ def filter_tapes(
     ref_backend = ref_backend or fcfg["ref_backend"]
     kl_coef = float(rl["implicit_kl_coef"])
     estimator = rl["implicit_kl_estimator"]
-    from gsm8kctl import losses  # imports torch (~4 s): not before the cheap checks of run_filter
-
-    if estimator not in losses.KL_ESTIMATORS:
-        raise UserError(f"finetune.rl.implicit_kl_estimator must be k1 or k3, got '{estimator}'")
     if kl_coef and scorer is None and not ref_model:
         raise UserError("finetune.rl.implicit_kl_coef > 0 needs a reference model: pass --ref-model")
     report = FilterReport(mode=mode, uniform_dropped=bool(drop_uniform_groups))
@@ -201,6 +197,11 @@ def filter_tapes(
         row = _slim(t)
         row["group"] = f"i{row['iteration']:04d}/{row['problem_id']}"
         rows.append(row)
+
+    from gsm8kctl import losses  # imports torch (~3 s): not before the tapes are checked
+
+    if estimator not in losses.KL_ESTIMATORS:
+        raise UserError(f"finetune.rl.implicit_kl_estimator must be k1 or k3, got '{estimator}'")
 
     # --- reference log-probs, when the reward needs them (implicit KL) ----------------------
     own_scorer = None
