@@ -16,7 +16,7 @@ from conftest import REPO, run_cli
 from gsm8kctl.jsonl import read_jsonl
 from gsm8kctl.llm_calls import open_readonly
 from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
-from gsm8kctl.stages.loop import iteration_steps, iteration_warnings, next_problems
+from gsm8kctl.stages.loop import iteration_steps, iteration_warnings, next_problems, problem_order
 
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
             "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",
@@ -204,11 +204,19 @@ def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, cap
 
 
 def test_problem_order_is_seeded_and_continues():
-    first = next_problems(0, 4, 7473, seed=42)
-    assert next_problems(0, 8, 7473, seed=42)[:4] == first
-    assert next_problems(4, 4, 7473, seed=42) == next_problems(0, 8, 7473, seed=42)[4:]
-    assert next_problems(0, 4, 7473, seed=43) != first
-    assert len(set(next_problems(0, 7473, 7473, seed=1))) == 7473  # a full pass has no repeats
+    first, after = next_problems(0, 4, 7473, seed=42)
+    assert after == 4 and next_problems(0, 8, 7473, seed=42)[0][:4] == first
+    assert next_problems(4, 4, 7473, seed=42)[0] == next_problems(0, 8, 7473, seed=42)[0][4:]
+    assert next_problems(0, 4, 7473, seed=43)[0] != first
+    assert len(set(next_problems(0, 7473, 7473, seed=1)[0])) == 7473  # a full pass has no repeats
+    # Across a pass boundary the two passes' orders overlap; a draw still holds k distinct ids: the
+    # first k distinct ones of positions 30, 31, ..., the last of them new.
+    n, k = 50, 40
+    ids, after = next_problems(30, k, n, seed=7)
+    naive = [f"train-{problem_order(n, 7, pos // n)[pos % n]:05d}" for pos in range(30, after)]
+    assert len(ids) == len(set(ids)) == k and after > 30 + k  # some were skipped
+    assert list(dict.fromkeys(naive)) == ids and naive[-1] == ids[-1] and naive.count(ids[-1]) == 1
+    assert next_problems(0, 80, n, seed=7)[0] == next_problems(0, n, n, seed=7)[0]  # at most one pass
 
 
 def _wait_for(cond, proc, timeout=300):
@@ -484,7 +492,7 @@ def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, referen
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _summary(run_dir) == _summary(reference_run)
-    order = next_problems(0, 4, 7473, seed=42)  # iteration 0's problems (max_agent_forks 8 / 2 attempts)
+    order, _ = next_problems(0, 4, 7473, seed=42)  # iteration 0's problems (max_agent_forks 8 / 2 attempts)
     tapes = list(read_jsonl(run_dir / "iterations" / "0000" / "tapes.jsonl"))
     assert [(t["problem_id"], t["attempt"]) for t in tapes] == [(p, a) for p in order for a in (0, 1)]
     for sub in ("iterations/0000", "eval/0000", "eval/0001"):
