@@ -307,6 +307,10 @@ PATHS = [
          files(run__state_json=state({**GOOD_STATE, "iteration": "3"}))),
     Case("loop-state-problems-not-a-list", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}"], "'problems'",
          files(run__state_json=state({**GOOD_STATE, "problems": 5}), run__config_yaml="seed: 1\n")),
+    Case("loop-state-without-start-model-for-ref-start", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}",
+                                                          "filter.ref_model=start", "finetune.rl.kl_coef=0.1"],
+         "{tmp}/run/state.json: filter.ref_model=start", files(run__state_json=state(GOOD_STATE),
+                                                              run__config_yaml="seed: 1\n")),
     # a hub id that is not in the cache while offline (HF_HUB_OFFLINE=1 in conftest)
     Case("sample-unknown-hub-model-offline", ["sample", "-o", T, "--model", "nosuch-org/nosuch-model"],
          "nosuch-org/nosuch-model"),

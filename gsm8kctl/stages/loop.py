@@ -162,7 +162,11 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
 
     n_train = len(load_problems("train", cfg["data_dir"]))  # checks the data before any work
     base_model = resolve_model(cfg["model"])
-    load_state(run)  # checked now; read again under the lock
+    old = load_state(run)  # checked now; read again under the lock
+    if cfg["filter"]["ref_model"] == START_MODEL and old["phase"] != "warmup" and old.get("start_model") is None:
+        raise UserError(f"{run / STATE_FILE}: filter.ref_model={START_MODEL} needs the model this run started "
+                        "from, and this state file (written before the option existed) does not say; set "
+                        "filter.ref_model to that model's path")
     run.mkdir(parents=True, exist_ok=True)
     with RunLock(run):
         save_config(cfg, run / CONFIG_FILE)
@@ -320,11 +324,7 @@ class _Context:
         ref = self.cfg["filter"]["ref_model"]
         if ref != START_MODEL:
             return ref
-        start = self.state.get("start_model")
-        if start is None:
-            raise UserError(f"{self.run_dir}: filter.ref_model={START_MODEL} needs the model this run started "
-                            "from, and its state.json (written before this option existed) does not say; set "
-                            "filter.ref_model to that model's path")
+        start = self.state["start_model"]  # set when the warm start ended; `loop` checked an older state
         ckpt = Path(start)
         if is_own_checkpoint(self.run_dir, ckpt) and not (ckpt / KEEP_MARKER).exists():
             mark_keep(ckpt, "the KL reference (filter.ref_model=start)")
