@@ -162,6 +162,7 @@ class Evaluation:
 class Transformers:
     static_cache: AutoBool
     dtype: Literal["auto", "float32", "bfloat16"]
+    decode_attention: Literal["auto", "split_k", "flash", "sdpa"]
 
 
 @dataclass(frozen=True)

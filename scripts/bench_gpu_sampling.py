@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,7 @@ def part_shapes(a, work: Path, rows: list) -> None:
 
     for shape, attempts in (("135m", a.shape_attempts_135m), ("1.5b", a.shape_attempts_15b)):
         path = random_model(shape, a.tokenizer, work / f"rand-{shape}")
-        backend = TransformersBackend(path, cfg_with(), dtype="bfloat16")
+        backend = TransformersBackend(path, cfg_with(*a.overrides), dtype="bfloat16")
         prompts = gsm8k_like_prompts(attempts // 8)
         params = SamplingParams(n=8, temperature=1.0, max_tokens=a.max_tokens, seed=1)
         for run in ("first call", "second call"):
@@ -87,6 +88,7 @@ def part_shapes(a, work: Path, rows: list) -> None:
             rows.append({"part": "shapes", "run": f"{shape} generate x{attempts}, {run}", "n": attempts,
                          "wall_s": round(wall, 2), "tokens": n_tok, "tokens_per_s": round(n_tok / wall),
                          "slots": backend._engine.slots, "max_len": backend._engine.max_len,
+                         "attention": backend._engine.attention,
                          "capture_s": round(st["capture_s"], 2), "graphs": st["graph_captures"],
                          "occupancy": round(st["slot_steps_busy"] / max(1, st["slot_steps_run"]), 3)})
             print(rows[-1], file=sys.stderr, flush=True)
@@ -143,27 +145,34 @@ def run_cli(args: list[str], data_dir: str) -> tuple[float, str]:
 
 
 def part_cli(a, model: str, work: Path, rows: list, data_dir: str) -> None:
-    common = ["--model", model, "--backend", "transformers", "-q"]
-    for run in ("first process", "second process"):
-        tapes = work / f"sample-{run.split()[0]}" / "tapes.jsonl"
-        wall, _ = run_cli(["sample", *common, "-o", str(tapes), "--n-problems", str(a.problems), "--attempts", "8",
-                           "--temperature", "1.0", "--max-tokens", str(a.max_tokens)], data_dir)
-        _, out = run_cli(["stats", "--json", str(tapes)], data_dir)
-        s = json.loads(out)
-        gen = round(s["tokens"]["completion"]["mean"] * s["count"])
-        rows.append({"part": "cli", "run": f"gsm8kctl sample {a.problems} x 8, T=1, {run}", "n": s["count"],
-                     "wall_s": round(wall, 1), "tokens": gen, "tokens_per_s": round(gen / wall),
-                     "accuracy_strict": s["accuracy_strict"], "format_rate": s["format_rate"]})
-        print(rows[-1], file=sys.stderr, flush=True)
-    for run in ("first process", "second process"):
-        wall, out = run_cli(["evaluate", *common, "-o", str(work / f"eval-{run.split()[0]}"), "--json"], data_dir)
-        m = json.loads(out)
-        gen = round(m["mean_output_tokens"] * m["n"])
-        rows.append({"part": "cli", "run": f"gsm8kctl evaluate (whole test split, greedy), {run}", "n": m["n"],
-                     "wall_s": round(wall, 1), "tokens": gen, "tokens_per_s": round(gen / wall),
-                     "accuracy_strict": m["accuracy_strict"], "accuracy_lenient": m["accuracy_lenient"],
-                     "format_rate": m["format_rate"]})
-        print(rows[-1], file=sys.stderr, flush=True)
+    """Each decode attention of `--attentions` in turn: `sample` in a first and a second process
+    (the first with Triton's kernel cache emptied: a cold start), then `evaluate` twice."""
+    for attention in a.attentions.split(","):
+        common = ["--model", model, "--backend", "transformers", "-q", f"transformers.decode_attention={attention}"]
+        for run in ("first process", "second process"):
+            if run == "first process" and attention == "split_k":
+                shutil.rmtree(Path.home() / ".triton" / "cache", ignore_errors=True)
+                run = "first process, empty Triton cache"
+            tapes = work / f"sample-{attention}-{run.split()[0]}" / "tapes.jsonl"
+            wall, _ = run_cli(["sample", *common, "-o", str(tapes), "--n-problems", str(a.problems), "--attempts",
+                               "8", "--temperature", "1.0", "--max-tokens", str(a.max_tokens)], data_dir)
+            _, out = run_cli(["stats", "--json", str(tapes)], data_dir)
+            s = json.loads(out)
+            gen = round(s["tokens"]["completion"]["mean"] * s["count"])
+            rows.append({"part": "cli", "run": f"gsm8kctl sample {a.problems} x 8, T=1, {attention}, {run}",
+                         "n": s["count"], "wall_s": round(wall, 1), "tokens": gen, "tokens_per_s": round(gen / wall),
+                         "accuracy_strict": s["accuracy_strict"], "format_rate": s["format_rate"]})
+            print(rows[-1], file=sys.stderr, flush=True)
+        for run in ("first process", "second process"):
+            wall, out = run_cli(["evaluate", *common, "-o", str(work / f"eval-{attention}-{run.split()[0]}"),
+                                 "--json"], data_dir)
+            m = json.loads(out)
+            gen = round(m["mean_output_tokens"] * m["n"])
+            rows.append({"part": "cli", "run": f"gsm8kctl evaluate (whole test split, greedy), {attention}, {run}",
+                         "n": m["n"], "wall_s": round(wall, 1), "tokens": gen, "tokens_per_s": round(gen / wall),
+                         "accuracy_strict": m["accuracy_strict"], "accuracy_lenient": m["accuracy_lenient"],
+                         "format_rate": m["format_rate"]})
+            print(rows[-1], file=sys.stderr, flush=True)
 
 
 def part_generate(a, model: str, work: Path, rows: list, data_dir: str) -> None:
@@ -223,7 +232,9 @@ def main() -> None:
     ap.add_argument("--parity-problems", type=int, default=64)
     ap.add_argument("--parity-tokens", type=int, default=256)
     ap.add_argument("--generate-batch", type=int, default=1024)
-    a = ap.parse_args()
+    ap.add_argument("overrides", nargs="*", help="config overrides for the shapes part (key=value)")
+    ap.add_argument("--attentions", default="split_k,flash", help="decode attentions the cli part runs, in turn")
+    a = ap.parse_intermixed_args()
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     model = a.model
     if a.gguf:

@@ -1,8 +1,10 @@
 """Where a decode step of the slot engine spends its time, on one GPU (random-init weights).
 
 Replays the captured step at a given slot count with slots at GSM8k-like positions and times
-it with CUDA events, for each decode attention (flash varlen, masked SDPA) and with attention
-replaced by nothing (what the rest of the model costs); then the token choice alone.
+it with CUDA events, for each decode attention (the split-K kernel at several tilings, flash
+varlen, masked SDPA) and with attention replaced by nothing (what the rest of the model costs);
+then the token choice alone, and scoring chunks of several token budgets (whole log-prob pass,
+and the decoder alone). First it checks the split-K kernel against flash on random bf16 data.
 
     python scripts/profile_slot_step.py --shape 135m --slots 1024,2048 --out profile.json
 """
@@ -24,6 +26,7 @@ def main() -> None:
 
     from bench_gpu_sampling import SHAPES
     from gsm8kctl.backends import slots as slot_mod
+    from gsm8kctl.backends.decode_attention import DecodeAttention
     from gsm8kctl.backends.sampling import choose
     from gsm8kctl.backends.slots import SlotEngine
 
@@ -32,6 +35,10 @@ def main() -> None:
     ap.add_argument("--slots", default="1024,2048")
     ap.add_argument("--max-len", type=int, default=896)
     ap.add_argument("--steps", type=int, default=40)
+    # split-K tilings: keys per split x keys per tile, warps, pipeline stages
+    ap.add_argument("--tilings", default="256x64w4s2,128x64w4s2,512x64w4s3,256x128w4s2,256x32w2s2,128x32w2s3")
+    ap.add_argument("--variants", default="split_k,flash,sdpa,no attention")
+    ap.add_argument("--score-budgets", default="16384,65536,262144")
     ap.add_argument("--out", default="profile_slot_step.json")
     a = ap.parse_args()
     cls, kw = SHAPES[a.shape]
@@ -52,12 +59,59 @@ def main() -> None:
         return start.elapsed_time(end) / n
 
     rows = []
+    cfg = model.config
+    kv_heads, heads = cfg.num_key_value_heads, cfg.num_attention_heads
+    dim = cfg.hidden_size // heads
+    rep = heads // kv_heads
+    tilings = []
+    for t in a.tilings.split(","):
+        chunk, rest = t.split("x")
+        block, rest = rest.split("w")
+        warps, stages = rest.split("s")
+        tilings.append((t, dict(chunk=int(chunk), block_n=int(block), warps=int(warps), stages=int(stages))))
+
+    # The kernel against flash varlen on one layer's worth of random bf16 cache.
+    slots0 = 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn((slots0, a.max_len, kv_heads, dim), device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn((slots0, a.max_len, kv_heads, dim), device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn((slots0, kv_heads, rep, dim), device="cuda", dtype=torch.bfloat16, generator=gen)
+    n = torch.randint(1, a.max_len + 1, (slots0,), device="cuda", generator=gen).to(torch.int32)
+    cu = torch.arange(slots0 + 1, dtype=torch.int32, device="cuda")
+    qf = q.transpose(1, 2).reshape(slots0 * rep, kv_heads, dim)
+    ref = torch.ops.aten._flash_attention_forward(
+        qf, k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), cu * rep, cu * a.max_len, rep, a.max_len,
+        0.0, False, False, scale=dim ** -0.5, seqused_k=n)[0].view(slots0, rep, kv_heads, dim).transpose(1, 2)
+    for name, tiling in tilings:
+        att = DecodeAttention(slots0, a.max_len, kv_heads, rep, dim, torch.bfloat16, "cuda", **tiling)
+        out = att(q, k, v, n, dim ** -0.5)
+        ms = timed(lambda: att(q, k, v, n, dim ** -0.5), 50)
+        read = float(n.sum()) * kv_heads * dim * 2 * 2  # keys and values, bf16
+        rows.append({"slots": slots0, "what": f"one layer's decode attention, split_k {name}", "ms": round(ms, 4),
+                     "max_abs_diff_vs_flash": round((out.float() - ref.float()).abs().max().item(), 5),
+                     "cache_read_tb_per_s": round(read / ms / 1e9, 2)})
+        print(rows[-1], file=sys.stderr, flush=True)
+    ms = timed(lambda: torch.ops.aten._flash_attention_forward(
+        qf, k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), cu * rep, cu * a.max_len, rep, a.max_len,
+        0.0, False, False, scale=dim ** -0.5, seqused_k=n), 50)
+    rows.append({"slots": slots0, "what": "one layer's decode attention, flash varlen", "ms": round(ms, 4),
+                 "cache_read_tb_per_s": round(float(n.sum()) * kv_heads * dim * 4 / ms / 1e9, 2)})
+    print(rows[-1], file=sys.stderr, flush=True)
+    del k, v, q, ref
+    torch.cuda.empty_cache()
+
     real_attention = slot_mod._slot_attention
+    variants = []
+    for v in a.variants.split(","):
+        variants += [f"split_k {t}" for t, _ in tilings] if v == "split_k" else [v]
     for slots in (int(s) for s in a.slots.split(",")):
-        for variant in ("flash", "sdpa", "no attention"):
-            engine = SlotEngine(model, slots=slots, max_len=a.max_len, stop_ids=[0], pad_id=0)
-            if variant == "sdpa":
-                engine.flash = False
+        for variant in variants:
+            attention = variant.split()[0] if variant != "no attention" else "sdpa"
+            engine = SlotEngine(model, slots=slots, max_len=a.max_len, stop_ids=[0], pad_id=0, attention=attention)
+            if variant.startswith("split_k"):
+                tiling = dict(tilings)[variant.split()[1]]
+                engine.split_k = DecodeAttention(slots, a.max_len, kv_heads, rep, dim, torch.bfloat16, "cuda",
+                                                 **tiling)
             if variant == "no attention":
                 def nothing(module, query, key, value, *args, **kwargs):
                     return query.transpose(1, 2).contiguous(), None
@@ -73,13 +127,17 @@ def main() -> None:
                 engine.pos.copy_(saved_pos)  # stay at the same lengths while timing
                 engine._run_step(slots, 1.0, 1.0)
 
-            ms = timed(step, a.steps)
-            rows.append({"slots": slots, "what": f"decode step, {variant}", "ms": round(ms, 3),
-                         "tokens_per_s": round(slots / ms * 1000), "flash": engine.flash})
+            try:
+                ms = timed(step, a.steps)
+                rows.append({"slots": slots, "what": f"decode step, {variant}", "ms": round(ms, 3),
+                             "tokens_per_s": round(slots / ms * 1000)})
+            except (RuntimeError, ValueError) as e:  # a tiling that does not fit: recorded, and on to the next
+                rows.append({"slots": slots, "what": f"decode step, {variant}", "error": str(e)[:300]})
             print(rows[-1], file=sys.stderr, flush=True)
             AttentionInterface.register(slot_mod.ATTN_NAME, real_attention)
             engine._graphs.clear()  # free this variant's graphs and cache before the next
-            engine.kv = None
+            engine.kv = engine.split_k = None
+            del engine
             torch.cuda.empty_cache()
         logits = torch.randn((slots, kw["vocab_size"]), device="cuda", dtype=torch.bfloat16)
         u = torch.rand(slots, device="cuda", dtype=torch.float64)
@@ -87,22 +145,27 @@ def main() -> None:
             ms = timed(lambda: choose(torch.log_softmax(logits.float(), -1), u, T, p), a.steps)
             rows.append({"slots": slots, "what": f"log_softmax + choose T={T} top_p={p}", "ms": round(ms, 3)})
             print(rows[-1], file=sys.stderr, flush=True)
-    # Scoring a chunk of the default budget (16384 tokens: 24 rows of 680), with and without a
-    # padding mask (right padding needs none under causal attention).
+    # Scoring chunks of each token budget (rows of 680 tokens, the last 500 scored), right-padded
+    # rows under causal attention (no mask): the whole log-prob pass, and the decoder alone.
     from gsm8kctl.logprobs import token_logprobs
 
-    ids = torch.randint(0, 40000, (24, 680), device="cuda")
-    score_mask = torch.zeros_like(ids, dtype=torch.bool)
-    score_mask[:, 180:] = True
-    attn = torch.ones_like(ids)
-    attn[::2, -100:] = 0  # some rows padded, as in a real chunk
-    pos = torch.arange(680, device="cuda").expand_as(ids)
-    with torch.inference_mode():
-        for name, mask in (("padding mask", attn), ("no mask (causal only)", None)):
-            ms = timed(lambda: token_logprobs(model, ids, mask, score_mask, position_ids=pos), 10)
-            rows.append({"what": f"score 24 x 680 tokens, {name}", "ms": round(ms, 2),
-                         "tokens_per_s": round(ids.numel() / ms * 1000)})
-            print(rows[-1], file=sys.stderr, flush=True)
+    decoder = model.get_decoder()
+    for budget in (int(b) for b in a.score_budgets.split(",")):
+        rows_n = max(1, budget // 680)
+        ids = torch.randint(0, 40000, (rows_n, 680), device="cuda")
+        score_mask = torch.zeros_like(ids, dtype=torch.bool)
+        score_mask[:, 180:] = True
+        pos = torch.arange(680, device="cuda").expand_as(ids)
+        with torch.inference_mode():
+            for name, fn in (("token_logprobs", lambda: token_logprobs(model, ids, None, score_mask, position_ids=pos)),
+                             ("decoder only", lambda: decoder(input_ids=ids, position_ids=pos))):
+                ms = timed(fn, 5)
+                rows.append({"what": f"score {rows_n} x 680 tokens, {name}", "ms": round(ms, 2),
+                             "tokens_per_s": round(ids.numel() / ms * 1000),
+                             "scored_tokens_per_s": round(int(score_mask.sum()) / ms * 1000)})
+                print(rows[-1], file=sys.stderr, flush=True)
+        del ids, score_mask, pos
+        torch.cuda.empty_cache()
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "shape": a.shape, "rows": rows},
                                       indent=2))
     for r in rows:

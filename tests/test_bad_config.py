@@ -63,6 +63,9 @@ CASES = [
     Case("evaluate-eval-limit-0", [*EVALUATE, "eval_limit=0"], "eval_limit must be >= 1 or null, got 0"),
     Case("evaluate-static-cache", [*EVALUATE, "transformers.static_cache=maybe"],
          "transformers.static_cache must be one of auto, true, false, got 'maybe'"),
+    Case("evaluate-split-k-attention-on-cpu", [*EVALUATE, "--model", "{tiny}", "--backend", "transformers",
+                                               "transformers.decode_attention=split_k"],
+         "transformers.decode_attention=split_k needs CUDA (this run is on the cpu); use auto or sdpa"),
     # --- filter
     Case("filter-kl-estimator", [*FILTER, "finetune.rl.implicit_kl_estimator=k2"],
          "finetune.rl.implicit_kl_estimator must be one of k1, k3, got 'k2'", INPUTS),

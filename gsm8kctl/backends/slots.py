@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gsm8kctl.backends.decode_attention import DecodeAttention
+from gsm8kctl.backends.decode_attention import available as split_k_available
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.errors import UserError
 
@@ -50,6 +52,8 @@ class _Forward:
 
     kv: torch.Tensor | None = None
     flash: bool = False  # decode attention by flash varlen with per-slot key counts (CUDA)
+    split_k: DecodeAttention | None = None  # decode attention by the split-K Triton kernel (CUDA)
+    n_keys: torch.Tensor | None = None  # decode: keys each slot row attends to (pos + 1), int32
     cu_q: torch.Tensor | None = None  # flash: 0, 1, ..., slots (one query per slot)
     cu_k: torch.Tensor | None = None  # flash: 0, L, 2L, ... (slot s's keys start at s * L)
     prefill_rows: torch.Tensor | None = None  # prefill: the slot row of each batch row
@@ -79,6 +83,11 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     rows, pos = _FWD.decode_rows, _FWD.pos
     k_cache[rows, pos] = key[:, :, 0]
     v_cache[rows, pos] = value[:, :, 0]
+    if _FWD.split_k is not None:
+        # Query head h serves kv head h // rep, so the heads split as [kv_heads, rep] in place.
+        q = query[:, :, 0].view(b, kv_heads, rep, dim)
+        out = _FWD.split_k(q, k_cache, v_cache, _FWD.n_keys, scaling if scaling is not None else dim ** -0.5)
+        return out.view(b, 1, heads, dim), None
     if _FWD.flash:
         # Each slot reads only its own pos + 1 keys (not the whole slot): flash varlen with the
         # slots laid end to end, slot s starting at s * L, and `seqused_k` keys used of each.
@@ -89,7 +98,7 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         out = torch.ops.aten._flash_attention_forward(
             q, k_cache.view(slots * length, kv_heads, dim), v_cache.view(slots * length, kv_heads, dim),
             _FWD.cu_q[:b + 1] * rep, _FWD.cu_k[:b + 1], rep, length, 0.0, False, False, scale=scaling,
-            seqused_k=(pos + 1).to(torch.int32))[0]
+            seqused_k=_FWD.n_keys)[0]
         out = out.view(b, rep, kv_heads, dim).transpose(1, 2).reshape(b, 1, heads, dim)
         return out, None
     # One query token per slot: the `rep` query heads of a kv head become its query rows, so
@@ -111,6 +120,23 @@ def _flash_works(device, dtype) -> bool:
         return True
     except (RuntimeError, TypeError):
         return False
+
+
+ATTENTIONS = ("auto", "split_k", "flash", "sdpa")
+
+
+def pick_attention(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The decode attention: `auto` = the split-K kernel where it runs (CUDA, half precision,
+    Triton), else flash varlen where this torch has it, else masked SDPA (CPU, float32)."""
+    runs = {"split_k": split_k_available(device, dtype, head_dim),
+            "flash": device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_works(device, dtype),
+            "sdpa": True}
+    if requested == "auto":
+        return next(name for name in ("split_k", "flash", "sdpa") if runs[name])
+    if not runs[requested]:
+        raise UserError(f"transformers.decode_attention={requested} does not run here ({device.type}, "
+                        f"{str(dtype).removeprefix('torch.')}); use auto")
+    return requested
 
 
 def _register() -> None:
@@ -176,7 +202,8 @@ class SlotEngine:
     """Continuous batching for one model: slots, cache and captured graphs live as long as it."""
 
     def __init__(self, model, *, slots: int, max_len: int, stop_ids: Sequence[int], pad_id: int,
-                 prefill_token_budget: int = 8192, use_graphs: bool | None = None, window: int | None = None):
+                 prefill_token_budget: int = 8192, use_graphs: bool | None = None, window: int | None = None,
+                 attention: str = "auto"):
         _register()
         self.model = model
         self.decoder = model.get_decoder()
@@ -209,7 +236,10 @@ class SlotEngine:
         self.stop = torch.tensor(sorted(set(stop_ids)), device=dev)
         self.cu_q = torch.arange(slots + 1, dtype=torch.int32, device=dev)
         self.cu_k = self.cu_q * max_len
-        self.flash = cuda and dtype in (torch.float16, torch.bfloat16) and _flash_works(self.device, dtype)
+        self.attention = pick_attention(attention, self.device, dtype, head_dim)
+        self.flash = self.attention == "flash"
+        self.split_k = (DecodeAttention(slots, max_len, kv_heads, heads // kv_heads, head_dim, dtype, dev)
+                        if self.attention == "split_k" else None)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.stats = {"decode_steps": 0, "prefill_tokens": 0, "graph_captures": 0, "capture_s": 0.0,
                       "slot_steps_busy": 0, "slot_steps_run": 0}
@@ -220,7 +250,7 @@ class SlotEngine:
         """Route the model's attention to the slot cache for the duration of one forward."""
         saved = self.model.config._attn_implementation
         self.model.config._attn_implementation = ATTN_NAME
-        _FWD.kv, _FWD.mask, _FWD.flash = self.kv, self.mask, self.flash
+        _FWD.kv, _FWD.mask, _FWD.flash, _FWD.split_k = self.kv, self.mask, self.flash, self.split_k
         _FWD.cu_q, _FWD.cu_k = self.cu_q, self.cu_k
         try:
             yield
@@ -250,8 +280,9 @@ class SlotEngine:
     def _step(self, b: int, temperature: float, top_p: float) -> None:
         """One decode step on slot rows [:b], entirely on the device (graph-capturable)."""
         pos = self.pos[:b]
-        self.mask[:b, 0, 0] = self.positions[None, :] <= pos[:, None]
-        _FWD.decode_rows, _FWD.pos = self.rows[:b], pos
+        if self.attention == "sdpa":
+            self.mask[:b, 0, 0] = self.positions[None, :] <= pos[:, None]
+        _FWD.decode_rows, _FWD.pos, _FWD.n_keys = self.rows[:b], pos, (pos + 1).to(torch.int32)
         with self._attn():
             hidden = self.decoder(input_ids=self.tok[:b, None], position_ids=pos[:, None],
                                   use_cache=False).last_hidden_state[:, -1]

@@ -44,6 +44,10 @@ class TransformersBackend:
         hf_logging.disable_progress_bar()  # stderr is ours: progress of sampling, not of loading
         self.model = model
         self.device = device or pick_device()
+        attention = cfg["transformers"]["decode_attention"]
+        if attention in ("split_k", "flash") and self.device != "cuda":
+            raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
+                            f"{self.device}); use auto or sdpa")
         self.tokenizer = load_tokenizer(model)
         # bf16 logits depend on the batch a row shares (kernel blocking); float32 ones do not,
         # on the CPU: then a seed gives the same tokens whatever the batching (a resumed run).
@@ -63,6 +67,7 @@ class TransformersBackend:
         # cache with finished rows dropped is faster (attention over each row's own length only).
         static = cfg["transformers"]["static_cache"]
         self.static_cache = (self.device == "cuda") if static == "auto" else bool(static)
+        self.decode_attention = attention
         self._engine: SlotEngine | None = None
 
     # ---------------------------------------------------------------- sampling
@@ -124,7 +129,8 @@ class TransformersBackend:
             slots = plan_slots(cfg, dtype, max_len, max_slots=self.max_slots or self.batch_size, fraction=1.0,
                                free_bytes=psutil.virtual_memory().available)
         self._engine = SlotEngine(self.model_obj, slots=slots, max_len=max_len, stop_ids=self.stop_ids,
-                                  pad_id=self.pad_id, prefill_token_budget=self.prefill_budget)
+                                  pad_id=self.pad_id, prefill_token_budget=self.prefill_budget,
+                                  attention=self.decode_attention)
         return self._engine
 
     @torch.inference_mode()
