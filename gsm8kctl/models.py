@@ -135,6 +135,15 @@ def load_tokenizer(path: str):
     return tok
 
 
+def completion_text(tokenizer):
+    """`ids -> text` without special tokens. A fast tokenizer's Rust decoder is called directly:
+    `tokenizer.decode` first walks every id in Python (2-3 s per 3M sampled tokens)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def stop_token_ids(tokenizer) -> list[int]:
     """Token ids that end an assistant turn: eos plus <|im_end|> when the vocabulary has it."""
     ids = set()

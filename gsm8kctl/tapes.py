@@ -8,6 +8,8 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from gsm8kctl.agent import Grade
 from gsm8kctl.errors import UserError
 
@@ -133,7 +135,7 @@ def make_tape(
         "finish_reason": finish_reason,
         "prompt_token_ids": list(prompt_token_ids),
         "completion_token_ids": list(completion_token_ids),
-        "logprobs": None if logprobs is None else [round(float(x), 6) for x in logprobs],
+        "logprobs": None if logprobs is None else _round6(logprobs),
         "n_messages": len(messages),
         "created": round(time.time(), 3),
     }
@@ -151,3 +153,8 @@ def outcome(tape: dict) -> str:
     if tape.get("reward", 0) is not None and tape.get("reward", 0) < 0:
         return "unparsable"
     return "wrong"
+
+
+def _round6(values) -> list[float]:
+    """Log-probs to 6 decimals, vectorised (Python's round() per value cost 2 s per 3M tokens)."""
+    return np.round(np.asarray(values, dtype=np.float64), 6).tolist()

@@ -136,8 +136,8 @@ def main() -> None:
             print(rows[-1], file=sys.stderr, flush=True)
             AttentionInterface.register(slot_mod.ATTN_NAME, real_attention)
             engine._graphs.clear()  # free this variant's graphs and cache before the next
-            engine.kv = engine.split_k = None
-            del engine
+            engine.kv = engine.split_k = slot_mod._FWD.kv = None
+            del engine, step
             torch.cuda.empty_cache()
         logits = torch.randn((slots, kw["vocab_size"]), device="cuda", dtype=torch.bfloat16)
         u = torch.rand(slots, device="cuda", dtype=torch.float64)

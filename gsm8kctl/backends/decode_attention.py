@@ -27,7 +27,7 @@ import os
 
 import torch
 
-CHUNK = 256  # keys per split
+CHUNK = 512  # keys per split
 BLOCK_N = 64  # keys per tile inside a split
 
 _kernels = None
@@ -128,7 +128,7 @@ class DecodeAttention:
     """
 
     def __init__(self, slots: int, max_len: int, kv_heads: int, rep: int, head_dim: int, dtype, device,
-                 chunk: int = CHUNK, block_n: int = BLOCK_N, warps: int = 4, stages: int = 2):
+                 chunk: int = CHUNK, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3):
         self.chunk, self.block_n, self.warps, self.stages = chunk, block_n, warps, stages
         self.splits = -(-max_len // chunk)
         self.rep, self.rp, self.dim = rep, max(16, 1 << (rep - 1).bit_length()), head_dim

@@ -20,7 +20,7 @@ from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots
 from gsm8kctl.errors import UserError
 from gsm8kctl.logprobs import pad_batch, token_budget_batches, token_logprobs
-from gsm8kctl.models import load_tokenizer, stop_token_ids
+from gsm8kctl.models import completion_text, load_tokenizer, stop_token_ids
 
 
 def pick_device() -> str:
@@ -49,6 +49,7 @@ class TransformersBackend:
             raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
                             f"{self.device}); use auto or sdpa")
         self.tokenizer = load_tokenizer(model)
+        self.text = completion_text(self.tokenizer)
         # bf16 logits depend on the batch a row shares (kernel blocking); float32 ones do not,
         # on the CPU: then a seed gives the same tokens whatever the batching (a resumed run).
         dtype = dtype if dtype != "auto" else cfg["transformers"]["dtype"]
@@ -93,7 +94,7 @@ class TransformersBackend:
             requests = [Request(k, rows[k], seeds[k]) for k in sorted(range(len(rows)), key=lambda k: len(rows[k]))]
             for f in engine.run(requests, temperature=params.temperature, top_p=params.top_p,
                                 max_tokens=params.max_tokens):
-                text = self.tokenizer.decode(f.token_ids, skip_special_tokens=True)
+                text = self.text(f.token_ids)
                 yield f.index // params.n, f.index % params.n, Completion(f.token_ids, f.logprobs, f.finish_reason,
                                                                           text, f.latency_s)
             return
@@ -105,7 +106,7 @@ class TransformersBackend:
             results = self._decode([rows[k] for k in idx], [seeds[k] for k in idx], params)
             latency = time.perf_counter() - t0
             for k, (ids, lps, finish) in zip(idx, results):
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                text = self.text(ids)
                 yield k // params.n, k % params.n, Completion(ids, lps, finish, text, latency)
 
     def _slot_engine(self, need: int) -> SlotEngine:
