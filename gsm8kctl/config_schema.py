@@ -249,6 +249,7 @@ class Config:
     warmup_sft_steps: NonNegInt
     warmup_sft_problems: NonNegInt                    # >= 1 when used (a rule below)
     warmup_sft_learning_rate: Optional[PosFloat]      # null = finetune.learning_rate
+    test_before_warmup: bool
     report_to: list[Tracker]
     warn_passes: Optional[PosFloat]
     warn_test_drop: Optional[NonNegFloat]             # accuracy is a fraction: 0.01 = 1 point

@@ -54,8 +54,11 @@ def iteration_dir(run: Path, it: int) -> Path:
     return Path(run) / ITERATIONS_DIR / f"{it:04d}"
 
 
+START_ITERATION = -1  # the starting model's evaluation before the warm start (test_before_warmup)
+
+
 def eval_dir(run: Path, it: int) -> Path:
-    return Path(run) / EVAL_DIR / f"{it:04d}"
+    return Path(run) / EVAL_DIR / (f"{it:04d}" if it != START_ITERATION else "start")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -148,7 +148,8 @@ def part_cli(a, model: str, work: Path, rows: list, data_dir: str) -> None:
     """Each decode attention of `--attentions` in turn: `sample` in a first and a second process
     (the first with Triton's kernel cache emptied: a cold start), then `evaluate` twice."""
     for attention in a.attentions.split(","):
-        common = ["--model", model, "--backend", "transformers", "-q", f"transformers.decode_attention={attention}"]
+        common = ["--model", model, "--backend", "transformers", "-q", f"transformers.decode_attention={attention}",
+                  *a.overrides]
         for run in ("first process", "second process"):
             if run == "first process" and attention == "split_k":
                 shutil.rmtree(Path.home() / ".triton" / "cache", ignore_errors=True)
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--parity-problems", type=int, default=64)
     ap.add_argument("--parity-tokens", type=int, default=256)
     ap.add_argument("--generate-batch", type=int, default=1024)
-    ap.add_argument("overrides", nargs="*", help="config overrides for the shapes part (key=value)")
+    ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for the shapes and cli parts")
     ap.add_argument("--attentions", default="split_k,flash", help="decode attentions the cli part runs, in turn")
     a = ap.parse_intermixed_args()
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))

@@ -377,11 +377,15 @@ def test_inprocess_warm_start_then_evaluate_at_its_own_learning_rate(tiny_model_
     run = tmp_path / "run"
     proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN, "loop.engine=inprocess",
                    "warmup_sft_steps=2", "warmup_sft_problems=4", "warmup_sft_learning_rate=3e-4",
-                   "finetune.learning_rate=2e-6")
+                   "finetune.learning_rate=2e-6", "test_before_warmup=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lrs = [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")]
     assert lrs[:2] == [3e-4, 3e-4] and len(lrs) > 2 and lrs[2:] == [2e-6] * (len(lrs) - 2)
-    rows = list(read_jsonl(run / "metrics.jsonl"))
+    start, *rows = list(read_jsonl(run / "metrics.jsonl"))
+    # test_before_warmup: the starting model first, as iteration -1, from eval/start/.
+    assert start["iteration"] == -1 and start["model"] == tiny_model_dir and start["test_n"] == 3
+    assert json.loads((run / "eval" / "start" / "metrics.json").read_text())["iteration"] == -1
+    assert {t["model"] for t in read_jsonl(run / "eval" / "start" / "tapes.jsonl")} == {tiny_model_dir}
     assert [r["iteration"] for r in rows] == [0, 1]
     assert rows[0]["model"].endswith("step-000002") and rows[0]["test_n"] == 3
     # The evaluation ran on the warm start's weights: its tokens match a fresh evaluation.
@@ -400,8 +404,13 @@ def test_processes_warm_start_own_learning_rate_and_kl_to_it(tiny_model_dir, tmp
     proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN,
                    "loop.engine=processes", "warmup_sft_steps=2", "warmup_sft_problems=4",
                    "warmup_sft_learning_rate=3e-4", "finetune.learning_rate=2e-6", "test_every_n_iterations=0",
-                   "filter.ref_model=start", "finetune.rl.kl_coef=0.1", "finetune.keep_checkpoints=1")
+                   "filter.ref_model=start", "finetune.rl.kl_coef=0.1", "finetune.keep_checkpoints=1",
+                   "test_before_warmup=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The starting model's evaluation ran in its own child before the warm start, with no other.
+    rows = list(read_jsonl(run / "metrics.jsonl"))
+    assert [(r["iteration"], r.get("test_n")) for r in rows][:1] == [(-1, 3)] and rows[0]["model"] == tiny_model_dir
+    assert all(r.get("test_n") is None for r in rows[1:])  # test_every_n_iterations=0
     assert [r["lr"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == [3e-4, 3e-4, 2e-6, 2e-6]
     warm = run / "checkpoints" / "step-000002"
     assert Path(_state(run)["start_model"]) == warm

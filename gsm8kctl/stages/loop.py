@@ -25,8 +25,8 @@ from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import check_output_dir
 from gsm8kctl.procs import StageRecord
 from gsm8kctl.progress import console, say
-from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PHASES, RUN_METRICS_FILE, STATE_FILE,
-                             START_MODEL, WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
+from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PHASES, RUN_METRICS_FILE, START_ITERATION,
+                             START_MODEL, STATE_FILE, WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
                              load_state, mark_keep, save_state, unmark_keep)
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
@@ -280,6 +280,8 @@ class _Context:
         steps = self.cfg["warmup_sft_steps"]
         if not steps:
             return
+        if self.cfg["test_before_warmup"]:
+            self._evaluate_start()
         self._banner(-1, "warm-start SFT on gold solutions")
         d = self.run_dir / WARMUP_DIR
         samples = d / SAMPLES_FILE
@@ -289,6 +291,20 @@ class _Context:
         # No KL term: the warm start is what the KL of the iterations (ref_model=start) measures against.
         overrides = {"finetune.rl.kl_coef": 0.0, **({"finetune.learning_rate": lr} if lr is not None else {})}
         self._pending(self.engine.finetune(samples, steps, objective="sft", overrides=overrides), "warmup")
+
+    def _evaluate_start(self) -> None:
+        """The starting model on the test split, before the warm start changes it: what the warm
+        start and the iterations gained is measured from here (metrics.jsonl iteration -1)."""
+        it = START_ITERATION
+        if not (self.eval_dir(it) / METRICS_FILE).exists():  # a rerun after it finished skips it
+            self._banner(it, "evaluate the starting model")
+            t0 = time.time()
+            self.engine.evaluate(self.cfg["model"], self.eval_dir(it), it, self.cfg["eval_limit"])
+            self.state["timings"].setdefault(str(it), {})["evaluate"] = round(time.time() - t0, 1)
+            save_state(self.run_dir, self.state)
+        m = json.loads((self.eval_dir(it) / METRICS_FILE).read_text(encoding="utf-8"))
+        self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
+        self._record(it)
 
     def _evaluate(self, it: int) -> None:
         every = self.cfg["test_every_n_iterations"]

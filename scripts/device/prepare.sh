@@ -13,9 +13,6 @@ set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD GSM8K_DIR=$PWD/.devdata/gsm8k GSM8KCTL_CACHE=$HOME/cache HF_HUB_OFFLINE=1
 export SMOLLM2=$HOME/cache/smollm2-135m-hf
-# The image's site-packages has no .pyc files and is not writable: without a cache of our own every
-# process compiles ~1800 modules from source again (~8 s, docs/benchmarks.md).
-export PYTHONPYCACHEPREFIX=$HOME/pycache
 mkdir -p "$HOME/g"
 # The first call carries part aa only: it waits under ~ for the second call, which has part ab.
 if [ -f .devdata/gguf.part.aa ]; then cp .devdata/gguf.part.aa "$HOME/g/"; fi
