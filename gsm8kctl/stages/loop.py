@@ -458,27 +458,37 @@ def _uniform_groups(tapes: list[dict]) -> int:
 
 
 def plot_learning_curve(rows: list[dict], path: Path) -> None:
-    """Test accuracy (strict and lenient) and train success vs iteration; written atomically."""
+    """Test accuracy (strict and lenient) and train success vs iteration, and on a right-hand axis
+    the test format rate (what a warm start moves first); written atomically. Iteration -1, the
+    starting model before the warm start, is labelled `start`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    lines = []
     for key, label, style in (("test_accuracy_strict", "test accuracy (strict)", "o-"),
                               ("test_accuracy_lenient", "test accuracy (lenient)", "s--"),
                               ("train_success_rate", "train success rate", "^:")):
         pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            ax.plot(*zip(*pts), style, label=label)
-    from matplotlib.ticker import MaxNLocator
-
+            lines += ax.plot(*zip(*pts), style, label=label)
+    fmt = [(r["iteration"], r["test_format_rate"]) for r in rows if r.get("test_format_rate") is not None]
+    if fmt:
+        right = ax.twinx()
+        lines += right.plot(*zip(*fmt), "d-.", color="tab:purple", label="test format rate (right axis)")
+        right.set_ylabel("format rate")
+        right.set_ylim(0, 1.02)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: "start" if x == START_ITERATION else f"{x:g}"))
     ax.set_xlabel("iteration")
     ax.set_ylabel("rate")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    if lines:
+        ax.legend(lines, [ln.get_label() for ln in lines], loc="best")
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=100)
