@@ -43,7 +43,12 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     power-of-two head size of at least 16 (the dot's smallest tile)."""
     if head_dim < 16 or head_dim & (head_dim - 1):
         return False
-    if not interpreted() and (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16)):
+    if interpreted():
+        return True
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    # Triton's tensor-core dot: fp16 from Volta (sm70), bf16 from Ampere (sm80).
+    if torch.cuda.get_device_capability(device) < ((8, 0) if dtype == torch.bfloat16 else (7, 0)):
         return False
     try:
         import triton  # noqa: F401
