@@ -166,6 +166,7 @@ BAD = [
     ("iterations=-1", "iterations", ">= 0"),
     ("max_agent_forks=0", "max_agent_forks", ">= 1"),
     ("use_rejection_sampling=maybe", "use_rejection_sampling", "true or false"),
+    ("test_before_warmup=yes please", "test_before_warmup", "true or false"),
     ("test_every_n_iterations=-2", "test_every_n_iterations", ">= 0"),
     ("eval_limit=0", "eval_limit", ">= 1 or null"),
     ("warmup_sft_steps=-1", "warmup_sft_steps", ">= 0"),
