@@ -20,26 +20,27 @@ from conftest import REPO
 KERNEL_CHECK = textwrap.dedent("""
     import json, sys, torch
     from gsm8kctl.backends.decode_attention import CHUNK, DecodeAttention
-    slots, max_len, kv_heads, rep, dim, dtype = json.loads(sys.argv[1])
-    dtype = getattr(torch, dtype)
-    torch.manual_seed(0)
-    k = torch.full((slots, max_len, kv_heads, dim), float("nan"))
-    v = torch.full((slots, max_len, kv_heads, dim), float("nan"))
-    # Keys used by each row, across split edges; the rest of each slot stays NaN: never read.
-    n = torch.tensor([1, CHUNK - 1, CHUNK, CHUNK + 1, max_len][:slots - 1], dtype=torch.int32)
-    b = len(n)  # one slot row less than the cache holds: a bucket below the slot count
-    for row, used in enumerate(n.tolist()):
-        k[row, :used] = torch.randn(used, kv_heads, dim)
-        v[row, :used] = torch.randn(used, kv_heads, dim)
-    q = torch.randn(b, kv_heads, rep, dim)
-    k, v, q = k.to(dtype), v.to(dtype), q.to(dtype)
-    out = DecodeAttention(slots, max_len, kv_heads, rep, dim, dtype, "cpu")(q, k, v, n, dim ** -0.5)
-    err = 0.0
-    for row, used in enumerate(n.tolist()):
-        kk, vv = k[row, :used].float().transpose(0, 1), v[row, :used].float().transpose(0, 1)
-        ref = torch.softmax(q[row].float() @ kk.transpose(1, 2) * dim ** -0.5, -1) @ vv
-        err = max(err, (out[row].float() - ref).abs().max().item())
-    print(json.dumps({"shape": list(out.shape), "dtype": str(out.dtype), "err": err}))
+    def check(slots, max_len, kv_heads, rep, dim, dtype):
+        dtype = getattr(torch, dtype)
+        torch.manual_seed(0)
+        k = torch.full((slots, max_len, kv_heads, dim), float("nan"))
+        v = torch.full((slots, max_len, kv_heads, dim), float("nan"))
+        # Keys used by each row, across split edges; the rest of each slot stays NaN: never read.
+        n = torch.tensor([1, CHUNK - 1, CHUNK, CHUNK + 1, max_len][:slots - 1], dtype=torch.int32)
+        b = len(n)  # one slot row less than the cache holds: a bucket below the slot count
+        for row, used in enumerate(n.tolist()):
+            k[row, :used] = torch.randn(used, kv_heads, dim)
+            v[row, :used] = torch.randn(used, kv_heads, dim)
+        q = torch.randn(b, kv_heads, rep, dim)
+        k, v, q = k.to(dtype), v.to(dtype), q.to(dtype)
+        out = DecodeAttention(slots, max_len, kv_heads, rep, dim, dtype, "cpu")(q, k, v, n, dim ** -0.5)
+        err = 0.0
+        for row, used in enumerate(n.tolist()):
+            kk, vv = k[row, :used].float().transpose(0, 1), v[row, :used].float().transpose(0, 1)
+            ref = torch.softmax(q[row].float() @ kk.transpose(1, 2) * dim ** -0.5, -1) @ vv
+            err = max(err, (out[row].float() - ref).abs().max().item())
+        return {"shape": list(out.shape), "dtype": str(out.dtype), "err": err}
+    print(json.dumps({json.dumps(shape): check(*shape) for shape in json.loads(sys.argv[1])}))
 """)
 
 ENGINE_CHECK = textwrap.dedent("""
@@ -74,17 +75,26 @@ def _child(code: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("shape,tolerance", [
+SHAPES = [
     # SmolLM2-135M: 9 query heads on 3 kv heads, head_dim 64
     ((6, 600, 3, 3, 64, "float32"), 1e-5),
     ((6, 600, 3, 3, 64, "float16"), 2e-3),
     # Qwen2.5-1.5B: 12 on 2, head_dim 128
     ((4, 520, 2, 6, 128, "float32"), 1e-5),
-])
-def test_kernel_is_softmax_attention_over_each_slots_own_keys(shape, tolerance):
+]
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict:
+    """Every shape in one child: one torch import instead of one per shape."""
+    return _child(KERNEL_CHECK, json.dumps([list(shape) for shape, _ in SHAPES]))
+
+
+@pytest.mark.parametrize("shape,tolerance", SHAPES)
+def test_kernel_is_softmax_attention_over_each_slots_own_keys(kernel_results, shape, tolerance):
     """Rows of 1 key, one short of a split, exactly a split, one over, and a full slot; the cache
     past each row's keys is NaN, so a read past them would show."""
-    got = _child(KERNEL_CHECK, json.dumps(shape))
+    got = kernel_results[json.dumps(list(shape))]
     slots, _, kv_heads, rep, dim, dtype = shape
     assert got["shape"] == [slots - 1, kv_heads, rep, dim] and got["dtype"] == f"torch.{dtype}"
     assert got["err"] < tolerance
