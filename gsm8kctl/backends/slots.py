@@ -122,9 +122,6 @@ def _flash_works(device, dtype) -> bool:
         return False
 
 
-ATTENTIONS = ("auto", "split_k", "flash", "sdpa")
-
-
 def pick_attention(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """The decode attention: `auto` = the split-K kernel where it runs (CUDA, half precision,
     Triton), else flash varlen where this torch has it, else masked SDPA (CPU, float32)."""
