@@ -45,6 +45,7 @@ class TransformersBackend:
         self.model = model
         self.device = device or pick_device()
         attention = cfg["transformers"]["decode_attention"]
+        # Refused before the model loads; what the GPU itself cannot run, the engine refuses (slots.py).
         if attention in ("split_k", "flash") and self.device != "cuda":
             raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
                             f"{self.device}); use auto or sdpa")
