@@ -88,8 +88,23 @@ def prompt_for(cfg: dict, tokenizer, problem: dict, pool: list[dict]) -> tuple[l
     return messages, text, ids
 
 
+def check_backend_device(cfg: dict, name: str) -> None:
+    """What the backend `name` refuses for this machine, said before transformers is imported or a
+    model resolved (an embedded model's first use converts it): only torch is imported, to ask it."""
+    attention = cfg["transformers"]["decode_attention"]
+    if resolve_backend_name(name) != "transformers" or attention not in ("split_k", "flash"):
+        return
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as backends/transformers.py picks it
+    if device != "cuda":
+        raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
+                        f"{device}); use auto or sdpa")
+
+
 def open_backend(cfg: dict, model: str | None = None) -> Backend:
     name = resolve_backend_name(cfg["backend"])
+    check_backend_device(cfg, name)
     target = model or cfg["model"]
     path = target if name == "openai" else resolve_model(target)
     return get_backend(name, path, cfg)

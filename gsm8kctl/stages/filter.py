@@ -133,9 +133,11 @@ def score_in_chunks(scorer: Scorer, prompts: list[list[int]], completions: list[
 
 
 def _open_scorer(ref_model: str, ref_backend: str, cfg: dict):
+    from gsm8kctl.attempts import check_backend_device
     from gsm8kctl.backends import get_backend
     from gsm8kctl.models import resolve_model
 
+    check_backend_device(cfg, ref_backend)
     return get_backend(ref_backend, resolve_model(ref_model), cfg)
 
 
