@@ -174,6 +174,8 @@ def test_guard_on_passes_ratio_and_kl():
     assert out[0].startswith("trained 8 passes over its 16 samples (8 steps, > warn_passes=4)")
     assert "finetune.save_checkpoint_steps" in out[0]
     assert "ratio reached 47 (> warn_ratio=5)" in out[1] and "KL to the reference reached 1.5 (> warn_kl=1)" in out[2]
+    assert "from the model that sampled" in out[1] and "from the reference model" in out[2]  # each its own cause
+    assert "finetune.rl.kl_coef" in out[2] and "kl_coef" not in out[1]
     calm = {**row, "train_passes": 4.0, "train_ratio_max": 1.2, "train_kl_max": None}
     assert iteration_warnings(calm, [], GUARDS) == []
     assert iteration_warnings(row, [], dict.fromkeys(GUARDS)) == []  # null: off
@@ -478,6 +480,8 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "r.json").read_text())
     assert [r["label"] for r in saved["runs"]] == ["RL", "SFT"]
+    evals = [r["test_accuracy_strict"] for r in rl if r.get("test_accuracy_strict") is not None]
+    assert len(evals) > 1 and saved["runs"][0]["mean_strict"] == pytest.approx(sum(evals[1:]) / len(evals[1:]))
 
 
 def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, reference_run, tmp_path):

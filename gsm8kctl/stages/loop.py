@@ -106,13 +106,14 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
         if fall > drop:
             out.append(f"test strict accuracy fell {fall * 100:.2f} points, {prev['test_accuracy_strict']:.2%} "
                        f"at iteration {prev['iteration']} -> {now:.2%} (> warn_test_drop={drop:g})")
-    for key, label, limit_key in (("train_ratio_max", "new/old probability ratio", "warn_ratio"),
-                                  ("train_kl_max", "KL to the reference", "warn_kl")):
+    for key, label, limit_key, cause in (
+            ("train_ratio_max", "new/old probability ratio", "warn_ratio",
+             "the policy moved far from the model that sampled; lower finetune.learning_rate or the steps per iteration"),
+            ("train_kl_max", "KL to the reference", "warn_kl",
+             "the policy moved far from the reference model; lower finetune.learning_rate or raise finetune.rl.kl_coef")):
         value, limit = row.get(key), cfg[limit_key]
         if value is not None and limit is not None and value > limit:
-            out.append(f"a finetune step's mean {label} reached {value:.3g} (> {limit_key}={limit:g}): the "
-                       "policy moved far from the model that sampled; lower finetune.learning_rate or the "
-                       "steps per iteration")
+            out.append(f"a finetune step's mean {label} reached {value:.3g} (> {limit_key}={limit:g}): {cause}")
     return out
 
 
