@@ -211,9 +211,13 @@ class TransformersBackend:
             # no padding mask, and SDPA runs its flash kernel (a mask forces a slower one).
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             lp, _ = token_logprobs(self.model_obj, ids, None, mask, position_ids=positions)
-            lp, mask = lp.cpu(), mask.cpu()  # one copy per chunk, not one per row
-            for j, i in enumerate(group):
-                out[i] = lp[j][mask[j]].tolist()
+            # One copy and one list per chunk, cut into rows: row-major, as the mask lays them out.
+            # numpy's boolean index: torch's on the CPU took 5 ms per 16k-token chunk.
+            values = lp.cpu().numpy()[mask.cpu().numpy()].tolist()
+            start = 0
+            for i in group:
+                out[i] = values[start:start + len(completions[i])]
+                start += len(completions[i])
         return out
 
     def close(self) -> None:
