@@ -8,8 +8,8 @@
 #   o  the original TapeAgents settings (configs/original.yaml), from the same checkpoint
 #   n  REINFORCE without the KL term, 16 attempts per problem (256 problems per iteration), from the same
 #   k  REINFORCE with the preset's KL, 16 attempts per problem, from the same
-#   s  the SFT-only control, gold solutions for as many tokens as p trained; it catches up with p's
-#      evaluations while p runs and is done once p is
+#   s  the SFT-only control, gold solutions for as many tokens as p (or CONTROL_OF=k, ...) trained; it
+#      catches up with that run's evaluations while it runs and is done once it is
 # RUNS picks which (default "p g o s"). They share the GPU (the 135M model leaves most of it idle),
 # each with 15 % of free memory for KV. EXTRA: overrides appended to every command, PEXTRA to p's
 # only (the third session's p had the preset's KL 0.1; the fifth ran PEXTRA=finetune.rl.kl_coef=0.01).
@@ -21,6 +21,7 @@ rm -f "$X"/*.rc  # exit codes of the last call: those runs were stopped at its e
 share="sampling.kv_memory_fraction=0.15 ${EXTRA:-}"
 declare -A pid
 RUNS=" ${RUNS:-p g o s} "
+like=${CONTROL_OF:-p}  # the run whose tokens the SFT control matches
 wants() { [[ "$RUNS" == *" $1 "* ]]; }
 
 state_key() {  # state_key RUN KEY: a key of RUN/state.json, or nothing
@@ -66,18 +67,18 @@ while [ "$(date +%s)" -lt "$end" ]; do
     fi
   fi
   # The control trains to p's token count at each of p's evaluations that it has not yet matched.
-  control=(python3 scripts/sft_control.py "$X/s" --like "$X/p" finetune.rl.kl_coef=0 filter.ref_model=null $share)
+  control=(python3 scripts/sft_control.py "$X/s" --like "$X/$like" finetune.rl.kl_coef=0 filter.ref_model=null $share)
   if wants s && ! running s && ! failed s && [ ! -f "$X/s.done" ]; then
-    if done_run "$X/p"; then
+    if done_run "$X/$like"; then
       launch s bash -c '"$@" && touch "$0"' "$X/s.done" "${control[@]}"
-    elif [ "$(evals "$X/p")" -gt "$(evals "$X/s")" ]; then
+    elif [ "$(evals "$X/$like")" -gt "$(evals "$X/s")" ]; then
       launch s "${control[@]}"
     fi
   fi
   all_done=1
   for r in p g o n k; do wants $r && ! done_run "$X/$r" && ! failed $r && all_done=0; done
   # The control is finished for this call once p stopped and it matched every evaluation of p's.
-  if wants s && [ ! -f "$X/s.done" ] && ! failed s && { running s || running p || [ "$(evals "$X/p")" -gt "$(evals "$X/s")" ]; }; then
+  if wants s && [ ! -f "$X/s.done" ] && ! failed s && { running s || running $like || [ "$(evals "$X/$like")" -gt "$(evals "$X/s")" ]; }; then
     all_done=0
   fi
   if failed p && [ -z "$start" ]; then all_done=1; fi  # the others start from p's warm start
