@@ -66,7 +66,7 @@ def test_rerun_appends_only_missing(tiny_model_dir, tmp_path):
 def test_sigkill_then_resume_no_duplicates_no_losses(tiny_model_dir, tmp_path):
     out = tmp_path / "tapes.jsonl"
     cmd = [sys.executable, "-m", "gsm8kctl", "sample", "--model", tiny_model_dir, "--backend", "transformers",
-           "-o", str(out), "--n-problems", "24", "--attempts", "2", "--max-tokens", "48", "-q",
+           "-o", str(out), "--n-problems", "24", "--attempts", "2", "--max-tokens", "16", "-q",
            "sampling.batch_size=1", "transformers.dtype=float32"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ.copy(), stderr=subprocess.PIPE)
     deadline = time.time() + 300
