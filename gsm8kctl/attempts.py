@@ -96,10 +96,9 @@ def check_backend_device(cfg: dict, name: str) -> None:
         return
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # as backends/transformers.py picks it
-    if device != "cuda":
-        raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
-                        f"{device}); use auto or sdpa")
+    from gsm8kctl.backends.base import check_decode_attention
+
+    check_decode_attention(attention, "cuda" if torch.cuda.is_available() else "cpu")  # as transformers.py picks it
 
 
 def open_backend(cfg: dict, model: str | None = None) -> Backend:

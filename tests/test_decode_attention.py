@@ -107,3 +107,17 @@ def test_slot_engine_with_split_k_gives_the_same_tokens():
     assert got["n"] == 5 * 12
     assert got["same_tokens"]
     assert got["lp_err"] < 1e-4
+
+
+def test_the_backend_refuses_cuda_kernels_off_cuda_before_loading(tmp_path):
+    """The transformers backend opened directly (as the in-process engine and scripts do), not
+    through a stage: split_k and flash on the CPU fail in one line, before any file is read."""
+    from gsm8kctl.backends import get_backend
+    from gsm8kctl.config import default_config, set_value
+    from gsm8kctl.errors import UserError
+
+    for attention in ("split_k", "flash"):
+        cfg = default_config()
+        set_value(cfg, "transformers.decode_attention", attention)
+        with pytest.raises(UserError, match=f"decode_attention={attention} needs CUDA .*on the cpu"):
+            get_backend("transformers", str(tmp_path / "no-model-here"), cfg)  # not read: refused first

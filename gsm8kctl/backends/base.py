@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from gsm8kctl.errors import UserError
+
 
 @dataclass
 class Completion:
@@ -48,6 +50,13 @@ def completion_seeds(params: SamplingParams, count: int) -> list[int]:
         return list(params.seeds)
     base = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
     return [completion_seed(base, k) for k in range(count)]
+
+
+def check_decode_attention(attention: str, device: str) -> None:
+    """`transformers.decode_attention` split_k and flash are CUDA kernels: refused elsewhere, in one line."""
+    if attention in ("split_k", "flash") and device != "cuda":
+        raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
+                        f"{device}); use auto or sdpa")
 
 
 class Backend(Protocol):

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from gsm8kctl.backends.base import Completion, SamplingParams, completion_seeds
+from gsm8kctl.backends.base import Completion, SamplingParams, check_decode_attention, completion_seeds
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots
 from gsm8kctl.errors import UserError
@@ -46,9 +46,7 @@ class TransformersBackend:
         self.device = device or pick_device()
         attention = cfg["transformers"]["decode_attention"]
         # Refused before the model loads; what the GPU itself cannot run, the engine refuses (slots.py).
-        if attention in ("split_k", "flash") and self.device != "cuda":
-            raise UserError(f"transformers.decode_attention={attention} needs CUDA (this run is on the "
-                            f"{self.device}); use auto or sdpa")
+        check_decode_attention(attention, self.device)
         self.tokenizer = load_tokenizer(model)
         self.text = completion_text(self.tokenizer)
         # bf16 logits depend on the batch a row shares (kernel blocking); float32 ones do not,
