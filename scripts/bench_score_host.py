@@ -1,6 +1,6 @@
 """The host side of `score()`: batching, padding and cutting log-probs into rows, without a model.
 
-    python scripts/bench_score_host.py --rows 8192 --against HEAD~1 --json docs/bench/score-host.json
+    python scripts/bench_score_host.py --rows 8192 --against 5c91cee~1   # the tree before the vectorised score()
 
 On an H200, score() ran at 151-185 k scored tokens/s against 571-720 k for the decoder forward
 alone (docs/benchmarks.md, split-K section); part of the difference is this Python work, which
