@@ -3,6 +3,8 @@ batching, CUDA-graphed decode) against `model.generate(cache_implementation="sta
 
 Parts (`--parts`, comma-separated), each a row or more of one table, all in one JSON file:
   shapes    random-init shapes (SmolLM2-135M, Qwen2.5-1.5B dims) in-process: generate + score
+  score     random-init SmolLM2-135M in-process: one generate (the sampling throughput) against
+            score() over GSM8k-like completion lengths at several token budgets and logit chunks
   parity    float32 greedy: slot engine vs the dynamic-cache path on the same GPU, token ids saved
   cli       the real commands on the real model: `sample` 1024 problems x 8 (twice: a first and a
             second process), `evaluate` on the whole test split; wall time includes start + load
@@ -107,6 +109,62 @@ def part_shapes(a, work: Path, rows: list) -> None:
         backend.close()
         del backend
         torch.cuda.empty_cache()
+
+
+def completion_lengths(n: int, seed: int = 1) -> list[int]:
+    """Completion lengths as the filter sees them from the real model: most 60-200 tokens, a tail to 512."""
+    rng = random.Random(seed)
+    return [min(512, max(8, int(rng.lognormvariate(4.8, 0.5)))) for _ in range(n)]
+
+
+def part_score(a, work: Path, rows: list) -> None:
+    import statistics
+
+    import torch
+
+    from gsm8kctl import logprobs
+    from gsm8kctl.backends.base import SamplingParams
+    from gsm8kctl.backends.transformers import TransformersBackend
+
+    attempts = a.shape_attempts_135m
+    path = random_model("135m", a.tokenizer, work / "rand-135m")
+    backend = TransformersBackend(path, cfg_with(*a.overrides), dtype="bfloat16")
+    prompts = gsm8k_like_prompts(attempts // 8)
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=a.max_tokens, seed=1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = backend.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n_tok = sum(len(c.token_ids) for o in out for c in o)
+    rows.append({"part": "score", "run": f"135m generate x{attempts} (first call)", "n": attempts,
+                 "wall_s": round(wall, 2), "tokens": n_tok, "tokens_per_s": round(n_tok / wall),
+                 "slots": backend._engine.slots})
+    print(rows[-1], file=sys.stderr, flush=True)
+    rng = random.Random(2)
+    flat_p = [p for p in prompts for _ in range(8)]
+    flat_c = [[rng.randrange(100, 40000) for _ in range(n)] for n in completion_lengths(attempts)]
+    scored = sum(map(len, flat_c))
+    chunk_default = logprobs.token_logprobs.__kwdefaults__["chunk_tokens"]
+    for budget, chunk in ((16384, chunk_default), (65536, chunk_default), (262144, chunk_default),
+                          (65536, 8192), (262144, 8192)):
+        backend.score_token_budget = budget
+        logprobs.token_logprobs.__kwdefaults__["chunk_tokens"] = chunk
+        walls = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            backend.score(flat_p, flat_c)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        rows.append({"part": "score", "run": f"135m score x{attempts}, budget {budget}, logit chunk {chunk}",
+                     "n": attempts, "wall_s": round(wall, 3), "walls_s": [round(w, 3) for w in walls],
+                     "tokens": scored, "tokens_per_s": round(scored / wall),
+                     "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1)})
+        print(rows[-1], file=sys.stderr, flush=True)
+    logprobs.token_logprobs.__kwdefaults__["chunk_tokens"] = chunk_default
+    backend.close()
 
 
 def part_parity(a, model: str, work: Path, rows: list, data_dir: str) -> None:
@@ -251,6 +309,8 @@ def main() -> None:
         try:
             if part == "shapes":
                 part_shapes(a, work, rows)
+            elif part == "score":
+                part_score(a, work, rows)
             elif part == "parity":
                 part_parity(a, model, work, rows, a.data_dir)
             elif part == "cli":

@@ -8,6 +8,7 @@
 #   o  the original TapeAgents settings (configs/original.yaml), from the same checkpoint
 #   n  REINFORCE without the KL term, 16 attempts per problem (256 problems per iteration), from the same
 #   k  REINFORCE with the preset's KL, 16 attempts per problem, from the same
+#   q  p's command from p's warm-start checkpoint with QEXTRA added (a one-knob variant of p: a learning rate, ...)
 #   s  the SFT-only control, gold solutions for as many tokens as p (or CONTROL_OF=k, ...) trained; it
 #      catches up with that run's evaluations while it runs and is done once it is
 # RUNS picks which (default "p g o s"). They share the GPU (the 135M model leaves most of it idle),
@@ -62,6 +63,9 @@ while [ "$(date +%s)" -lt "$end" ]; do
       launch n python3 -m gsm8kctl loop "${from_start[@]}" --run-dir "$X/n" attempts=16 \
         finetune.rl.kl_coef=0 filter.ref_model=null $share
     fi
+    if startable q; then
+      launch q python3 -m gsm8kctl loop "${from_start[@]}" --run-dir "$X/q" ${PEXTRA:-} ${QEXTRA:-} $share
+    fi
     if startable k; then
       launch k python3 -m gsm8kctl loop "${from_start[@]}" --run-dir "$X/k" attempts=16 ${PEXTRA:-} $share
     fi
@@ -76,7 +80,7 @@ while [ "$(date +%s)" -lt "$end" ]; do
     fi
   fi
   all_done=1
-  for r in p g o n k; do wants $r && ! done_run "$X/$r" && ! failed $r && all_done=0; done
+  for r in p g o n k q; do wants $r && ! done_run "$X/$r" && ! failed $r && all_done=0; done
   # The control is finished for this call once p stopped and it matched every evaluation of p's.
   if wants s && [ ! -f "$X/s.done" ] && ! failed s && { running s || running $like || [ "$(evals "$X/$like")" -gt "$(evals "$X/s")" ]; }; then
     all_done=0
@@ -100,5 +104,5 @@ wait 2>/dev/null
 # The small files: metrics, states, configs, evaluation metrics, logs (no tapes, no weights).
 cd "$X" && find . \( -name 'metrics.jsonl' -o -name 'metrics.json' -o -name 'state.json' -o -name 'config.yaml' \
   -o -name '*.log' -o -name 's.done' \) -not -path '*/checkpoints/*' -print0 | tar -czf "$OUT/issue11.tgz" --null -T -
-for r in p g o n k s; do [ -f "$X/$r/metrics.jsonl" ] && echo "$r: $(wc -l < "$X/$r/metrics.jsonl") rows, phase $(state_key "$X/$r" phase) it $(state_key "$X/$r" iteration)"; done
+for r in p g o n k q s; do [ -f "$X/$r/metrics.jsonl" ] && echo "$r: $(wc -l < "$X/$r/metrics.jsonl") rows, phase $(state_key "$X/$r" phase) it $(state_key "$X/$r" iteration)"; done
 tail -n 3 "$X"/*.log

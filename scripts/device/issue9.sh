@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9's measurements on the lent H200, one part per `run` call (after `source scripts/device/prepare.sh`):
 #   bash scripts/device/issue9.sh kernel   # split-K kernel vs flash, step profile, random-init shapes (no weights)
+#   bash scripts/device/issue9.sh score    # score() against sampling (random init, no weights), and where imports go
 #   bash scripts/device/issue9.sh cli      # the real SmolLM2 ($SMOLLM2, both GGUF parts carried): sample/evaluate
 # JSON goes to $OUT (the device tool brings it back); copy it to docs/bench/ by hand.
 set -u
@@ -11,6 +12,13 @@ case $part in
   kernel)
     python3 scripts/profile_slot_step.py --shape 135m --slots 1024,2048,4096 --out "$OUT/profile-135m.json"
     python3 scripts/bench_gpu_sampling.py --parts shapes --tokenizer .devdata/tok --out "$OUT/shapes.json" ${EXTRA:-}
+    ;;
+  score)
+    python3 scripts/bench_gpu_sampling.py --parts score --tokenizer .devdata/tok --out "$OUT/score.json" ${EXTRA:-}
+    # What a sample process pays before its first token: the imports, then CUDA's init.
+    python3 -X importtime -c "import gsm8kctl.backends.transformers" 2> "$OUT/importtime.txt"
+    python3 -c "import time; t=time.perf_counter(); import torch; a=time.perf_counter(); import transformers, gsm8kctl.backends.transformers; b=time.perf_counter(); torch.zeros(1, device='cuda'); c=time.perf_counter(); print(f'import torch {a-t:.2f} s, transformers + backend {b-a:.2f} s, CUDA init {c-b:.2f} s')"
+    sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -n 30
     ;;
   cli)
     python3 scripts/bench_gpu_sampling.py --parts cli --model "$SMOLLM2" --data-dir "$GSM8K_DIR" \
