@@ -32,9 +32,8 @@ from gsm8kctl.progress import Progress, say
 from gsm8kctl.tapes import check_tape, make_tape, shown, tape_id
 
 
-# Tapes reach the file in groups: at most this many completions or seconds apart.
+# Tapes reach the file in groups: at most this many completions (or `sampling.write_interval_s`) apart.
 FLUSH_EVERY = 256
-FLUSH_SECONDS = 1.0
 REQUESTS_PER_CALL = 256  # backends without streaming (vllm, openai): completions per generate call
 
 
@@ -200,10 +199,11 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
                     call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
                                           max_tokens=params.max_tokens, seed=params.seed, seeds=seeds)
                     pending: list[tuple[int, Completion]] = []
+                    every_s = cfg["sampling"]["write_interval_s"]
                     last = time.perf_counter()
                     for k, _, comp in backend.generate_iter(prompts, call):
                         pending.append((k, comp))
-                        if len(pending) >= FLUSH_EVERY or time.perf_counter() - last > FLUSH_SECONDS:
+                        if len(pending) >= FLUSH_EVERY or time.perf_counter() - last >= every_s:
                             write(pending)
                             pending, last = [], time.perf_counter()
                     write(pending)

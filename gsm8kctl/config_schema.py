@@ -150,6 +150,7 @@ class Sampling:
     # Above 0.95 the weights, activations and the allocator's slack no longer fit beside it.
     kv_memory_fraction: Annotated[float, Range(gt=0, le=0.95)]
     prefill_token_budget: Count
+    write_interval_s: NonNegFloat                     # 0 = every finished attempt at once
 
 
 @dataclass(frozen=True)

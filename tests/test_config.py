@@ -125,7 +125,7 @@ def test_every_yaml_key_is_commented_or_self_explanatory():
     """default.yaml is what users read: the enumerations it documents are the schema's."""
     text = (Path(schema.__file__).parent / "configs" / "default.yaml").read_text()
     assert "backend: auto                # auto | transformers | vllm | openai" in text
-    for key in ("max_slots", "kv_memory_fraction", "prefill_token_budget"):
+    for key in ("max_slots", "kv_memory_fraction", "prefill_token_budget", "write_interval_s"):
         assert re.search(rf"^  {key}: .*# ", text, re.M), f"sampling.{key} needs a comment"
 
 
@@ -194,6 +194,7 @@ BAD = [
     ("sampling.kv_memory_fraction=0", "sampling.kv_memory_fraction", "in (0, 0.95]"),
     ("sampling.kv_memory_fraction=0.99", "sampling.kv_memory_fraction", "in (0, 0.95]"),
     ("sampling.prefill_token_budget=0", "sampling.prefill_token_budget", ">= 1"),
+    ("sampling.write_interval_s=-1", "sampling.write_interval_s", ">= 0"),
     ("evaluation.max_tokens=-5", "evaluation.max_tokens", ">= 1"),
     ("evaluation.batch_size=0", "evaluation.batch_size", ">= 1"),
     ("transformers.static_cache=sometimes", "transformers.static_cache", "one of auto, true, false"),

@@ -67,7 +67,9 @@ def test_sigkill_then_resume_no_duplicates_no_losses(tiny_model_dir, tmp_path):
     out = tmp_path / "tapes.jsonl"
     cmd = [sys.executable, "-m", "gsm8kctl", "sample", "--model", tiny_model_dir, "--backend", "transformers",
            "-o", str(out), "--n-problems", "24", "--attempts", "2", "--max-tokens", "16", "-q",
-           "sampling.batch_size=1", "transformers.dtype=float32"]
+           "sampling.batch_size=1", "transformers.dtype=float32", "sampling.write_interval_s=0"]
+    # Each attempt is written as it finishes (write_interval_s=0): at the default 1 s, an idle
+    # machine finished all 48 inside the first interval, and the kill came too late (seen in CI).
     proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ.copy(), stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while time.time() < deadline:
