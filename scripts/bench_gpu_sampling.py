@@ -68,6 +68,17 @@ def cfg_with(*overrides: str) -> dict:
     return load_config(None, list(overrides))
 
 
+def timed_generate(backend, prompts, params):
+    """One generate call timed between GPU syncs: (outputs, wall seconds, generated tokens)."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = backend.generate(prompts, params)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, sum(len(c.token_ids) for o in out for c in o)
+
+
 def part_shapes(a, work: Path, rows: list) -> None:
     import torch
 
@@ -80,12 +91,7 @@ def part_shapes(a, work: Path, rows: list) -> None:
         prompts = gsm8k_like_prompts(attempts // 8)
         params = SamplingParams(n=8, temperature=1.0, max_tokens=a.max_tokens, seed=1)
         for run in ("first call", "second call"):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = backend.generate(prompts, params)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            n_tok = sum(len(c.token_ids) for o in out for c in o)
+            out, wall, n_tok = timed_generate(backend, prompts, params)
             st = dict(backend._engine.stats)
             rows.append({"part": "shapes", "run": f"{shape} generate x{attempts}, {run}", "n": attempts,
                          "wall_s": round(wall, 2), "tokens": n_tok, "tokens_per_s": round(n_tok / wall),
@@ -131,12 +137,7 @@ def part_score(a, work: Path, rows: list) -> None:
     backend = TransformersBackend(path, cfg_with(*a.overrides), dtype="bfloat16")
     prompts = gsm8k_like_prompts(attempts // 8)
     params = SamplingParams(n=8, temperature=1.0, max_tokens=a.max_tokens, seed=1)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = backend.generate(prompts, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    n_tok = sum(len(c.token_ids) for o in out for c in o)
+    out, wall, n_tok = timed_generate(backend, prompts, params)
     rows.append({"part": "score", "run": f"135m generate x{attempts} (first call)", "n": attempts,
                  "wall_s": round(wall, 2), "tokens": n_tok, "tokens_per_s": round(n_tok / wall),
                  "slots": backend._engine.slots})
