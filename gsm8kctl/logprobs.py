@@ -75,6 +75,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return logprobs, entropy
 
 
+def chosen_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
+    """log softmax(lm_head(hidden[n]))[targets[n]] for hidden [N, H], `chunk_tokens` rows of logits
+    at a time (inference: no autograd, nothing kept but the chosen log-probs)."""
+    out_emb = model.get_output_embeddings()
+    weight, bias = out_emb.weight, getattr(out_emb, "bias", None)
+    parts = [_chunk_logprobs(hidden[i:i + chunk_tokens], weight, bias, targets[i:i + chunk_tokens], False)[0]
+             for i in range(0, hidden.shape[0], chunk_tokens)]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad prompt+completion rows; returns input_ids, attention_mask, completion mask."""

@@ -60,3 +60,28 @@ def test_transformers_score_cuts_rows_as_one_row_at_a_time(tiny_model_dir):
     assert max(abs(x - y) for s, t in zip(together, alone) for x, y in zip(s, t)) < 0.02
     gaps = sorted(abs(s[k] - s[k + 1]) for s in together for k in range(len(s) - 1))
     assert gaps[len(gaps) // 2] > 0.05  # so the tolerance above could tell a misplaced token
+
+
+def test_transformers_score_shares_each_prompt_among_its_completions(tiny_model_dir):
+    """5 prompts x 4 completions (one empty): the shared path (each prompt run once, its cache
+    repeated) gives each row's log-probs as the row scored alone, in float32."""
+    from gsm8kctl.backends import get_backend
+    from gsm8kctl.config import default_config
+
+    base, _ = _rows(5, seed=4)
+    _, completions = _rows(20, seed=5)
+    completions[3] = []
+    prompts = [base[k // 4] for k in range(20)]
+    backend = get_backend("transformers", tiny_model_dir, cfg=default_config(), dtype="float32")
+    try:
+        shared = backend.score(prompts, completions)
+        backend.score_token_budget = 40  # several chunks of groups
+        chunked = backend.score(prompts, completions)
+        alone = [backend._score_rows([p], [c])[0] for p, c in zip(prompts, completions)]
+    finally:
+        backend.close()
+    assert [len(s) for s in shared] == [len(c) for c in completions] and shared[3] == []
+    for got in (shared, chunked):
+        assert max(abs(x - y) for s, t in zip(got, alone) for x, y in zip(s, t)) < 1e-4
+    gaps = sorted(abs(s[k] - s[k + 1]) for s in alone for k in range(len(s) - 1))
+    assert gaps[len(gaps) // 2] > 0.05  # a misplaced token would show

@@ -54,6 +54,25 @@ def test_engine_equals_dynamic_path(tiny_model_dir, dynamic, prompts, temperatur
     assert st["slot_steps_busy"] == sum(len(c.token_ids) - 1 for row in got for c in row)  # first from prefill
 
 
+def test_attempts_of_one_prompt_share_one_prefill(tiny_model_dir, dynamic, prompts):
+    """3 prompts x 4 attempts admitted at once: 3 prompts are prefilled, not 12, in both paths,
+    and every attempt is what that row gives alone (its own prefill, its own seed)."""
+    engine = _backend(tiny_model_dir, "transformers.static_cache=true", "sampling.max_slots=12")
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=9)
+    some = prompts[:3]
+    ref, got = dynamic.generate(some, params), engine.generate(some, params)
+    assert _tokens(got) == _tokens(ref)
+    seeds = completion_seeds(params, 12)
+    alone = [dynamic.generate([some[k // 4]], SamplingParams(n=1, temperature=1.0, max_tokens=16,
+                                                             seeds=[seeds[k]]))[0][0] for k in range(12)]
+    assert [c.token_ids for c in alone] == [c.token_ids for row in got for c in row]
+    assert len({tuple(c.token_ids) for row in got for c in row}) == 12  # the attempts differ
+    for r_row, g_row in zip(ref, got):
+        for r, g in zip(r_row, g_row):
+            assert max(abs(a - b) for a, b in zip(r.logprobs, g.logprobs)) < 1e-4
+    assert engine._engine.stats["prefill_tokens"] == 3 * max(len(p) for p in some)
+
+
 def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, prompts):
     """Stop on frequent tokens so rows end at different steps; a tiny prefill budget admits one
     prompt at a time; a window of 3 decodes junk past a stop that must be dropped."""

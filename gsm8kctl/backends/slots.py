@@ -12,6 +12,8 @@ batch never waits on its longest row, and the decode step always has the same sh
   second per bucket instead of a compile.
 - **prefill** of incoming prompts is batched under `prefill_token_budget` (padded tokens) and
   runs eagerly: its shapes vary, and it is compute-bound, so launch overhead does not matter.
+  Rows admitted together with the same prompt (a problem's attempts) share one prefill: the
+  prompt runs once and its cache rows are copied to the others.
 - The host looks at the tokens every `window` decode steps (one sync), hands out finished
   completions and refills free slots. A slot that finished inside a window decodes a few junk
   tokens until the window ends; they are dropped.
@@ -388,18 +390,32 @@ class SlotEngine:
         admitted = [waiting.popleft() for _ in rows]
         start = 0
         while start < len(admitted):
-            end, width = start, 0
+            # The attempts of one problem share their prompt: it is prefilled once (into the first
+            # of its rows) and its cache copied to the others, so the budget counts distinct prompts.
+            end, width, distinct = start, 0, {}
             while end < len(admitted):
-                w = max(width, len(admitted[end].prompt))
-                if end > start and w * (end - start + 1) > self.budget:
+                key = tuple(admitted[end].prompt)
+                w = max(width, len(key))
+                if end > start and key not in distinct and w * (len(distinct) + 1) > self.budget:
                     break
+                distinct.setdefault(key, len(distinct))
                 width, end = w, end + 1
             chunk, chunk_rows = admitted[start:end], rows[start:end]
             now = time.perf_counter()
             streams = torch.stack([uniforms(r.seed, self.max_len) for r in chunk])
             dev_rows = torch.tensor(chunk_rows, device=self.device)
             self.u[dev_rows] = streams.to(self.device)
-            logp = self._prefill(chunk, chunk_rows)
+            which = [distinct[tuple(r.prompt)] for r in chunk]  # each row's distinct prompt
+            first_row = {}
+            for r, row, d in zip(chunk, chunk_rows, which):
+                first_row.setdefault(d, (r, row))
+            logp = self._prefill([first_row[d][0] for d in range(len(distinct))],
+                                 [first_row[d][1] for d in range(len(distinct))])
+            copies = [(first_row[d][1], row) for row, d in zip(chunk_rows, which) if row != first_row[d][1]]
+            if copies:
+                src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
+                self.kv[:, :, dst, :width] = self.kv[:, :, src, :width]
+            logp = logp[torch.tensor(which, device=self.device)]
             first = choose(logp, self.u[dev_rows, 0], temperature, top_p)
             first_lp = logp.gather(-1, first[:, None]).squeeze(-1)
             self.tok[dev_rows] = first

@@ -19,7 +19,7 @@ from gsm8kctl.backends.base import Completion, SamplingParams, check_decode_atte
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots
 from gsm8kctl.errors import UserError
-from gsm8kctl.logprobs import pad_batch, token_budget_batches, token_logprobs
+from gsm8kctl.logprobs import chosen_logprobs, pad_batch, token_budget_batches, token_logprobs
 from gsm8kctl.models import completion_text, load_tokenizer, stop_token_ids
 
 
@@ -138,10 +138,15 @@ class TransformersBackend:
         from transformers import DynamicCache
 
         dev = self.device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        # The attempts of one problem share their prompt: each distinct prompt is prefilled once
+        # and its cache rows repeated for its attempts.
+        distinct: dict[tuple, int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        unique = [list(p) for p in distinct]
+        width = max(len(p) for p in unique)
+        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):  # left padding: every row's next token is at the end
+        for r, p in enumerate(unique):  # left padding: every row's next token is at the end
             ids[r, width - len(p):] = torch.tensor(p)
             attn[r, width - len(p):] = 1
         ids, attn = ids.to(dev), attn.to(dev)
@@ -151,6 +156,10 @@ class TransformersBackend:
         # cost B x P x vocab (0.9 GB and ~270 GFLOP for 64 x 150 x 49k).
         logits = self.model_obj(input_ids=ids, attention_mask=attn, position_ids=positions,
                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        if len(unique) < len(prompts):
+            sel = torch.tensor(which, device=dev)
+            cache.batch_select_indices(sel)
+            logits, attn, positions = logits[sel], attn[sel], positions[sel]
         next_pos = positions[:, -1] + 1
         stop = torch.tensor(self.stop_ids, device=dev)
         # Token t of row r consumes u[r, t] of that completion's own stream (sampling.py).
@@ -199,6 +208,14 @@ class TransformersBackend:
     # ---------------------------------------------------------------- scoring
     @torch.inference_mode()
     def score(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
+        distinct: dict[tuple, int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if len(distinct) * 2 > len(prompts):
+            return self._score_rows(prompts, completions)  # little to share: one causal pass per row
+        return self._score_shared([list(p) for p in distinct], which, completions)
+
+    @torch.inference_mode()
+    def _score_rows(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
         out: list[list[float]] = [[] for _ in prompts]
         for group in token_budget_batches(lengths, self.score_token_budget):
@@ -216,6 +233,72 @@ class TransformersBackend:
             for i in group:
                 out[i] = values[start:start + len(completions[i])]
                 start += len(completions[i])
+        return out
+
+    @torch.inference_mode()
+    def _score_shared(self, unique: list[list[int]], which: list[int],
+                      completions: Sequence[list[int]]) -> list[list[float]]:
+        """Each distinct prompt runs once; its cache rows are repeated for its completions, which
+        run in a second pass against them. Token t of a completion is predicted by the hidden
+        state before it: the prompt's last one for t = 0, the completion's own t - 1 after."""
+        from transformers import DynamicCache
+
+        dev = self.device
+        members: list[list[int]] = [[] for _ in unique]
+        for i, d in enumerate(which):
+            members[d].append(i)
+        out: list[list[float]] = [[] for _ in completions]
+        decoder = self.model_obj.get_decoder()
+        # Groups by prompt length; a chunk's cost is the decoder tokens of both passes, padded.
+        order = sorted(range(len(unique)), key=lambda d: len(unique[d]))
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        width = longest = rows = 0
+        for d in order:
+            w, c = max(width, len(unique[d])), max([longest] + [len(completions[i]) for i in members[d]])
+            r = rows + len(members[d])
+            if cur and (len(cur) + 1) * w + r * c > self.score_token_budget:
+                chunks.append(cur)
+                cur, w, c, r = [], len(unique[d]), max(len(completions[i]) for i in members[d]), len(members[d])
+            cur.append(d)
+            width, longest, rows = w, c, r
+        if cur:
+            chunks.append(cur)
+        for chunk in chunks:
+            idx = [i for d in chunk for i in members[d]]
+            cs = [completions[i] for i in idx]
+            c_width = max(map(len, cs))
+            if c_width == 0:
+                continue
+            ps = [unique[d] for d in chunk]
+            width = max(map(len, ps))
+            ids = torch.full((len(ps), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for r, p in enumerate(ps):  # left padding: every prompt ends at the same column
+                ids[r, width - len(p):] = torch.tensor(p)
+                attn[r, width - len(p):] = 1
+            ids, attn = ids.to(dev), attn.to(dev)
+            positions = (attn.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache()
+            last = decoder(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                           use_cache=True).last_hidden_state[:, -1]
+            sel = torch.tensor([k for k, d in enumerate(chunk) for _ in members[d]], device=dev)
+            cache.batch_select_indices(sel)
+            c_ids = torch.full((len(cs), c_width), self.pad_id, dtype=torch.long)
+            real = torch.zeros((len(cs), c_width), dtype=torch.bool)
+            for r, c in enumerate(cs):  # right padding: pads come after every real token
+                c_ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+                real[r, :len(c)] = True
+            c_ids, real = c_ids.to(dev), real.to(dev)
+            hidden = decoder(input_ids=c_ids, attention_mask=torch.cat([attn[sel], real.long()], dim=1),
+                             position_ids=positions[sel][:, -1:] + 1 + torch.arange(c_width, device=dev),
+                             past_key_values=cache, use_cache=True).last_hidden_state
+            before = torch.cat([last[sel][:, None], hidden[:, :-1]], dim=1)  # predicts each token
+            values = chosen_logprobs(self.model_obj, before[real], c_ids[real]).cpu().tolist()
+            start = 0
+            for i, c in zip(idx, cs):
+                out[i] = values[start:start + len(c)]
+                start += len(c)
         return out
 
     def close(self) -> None:
