@@ -138,6 +138,27 @@ def test_reference_scores_only_kept_samples_in_chunks(cfg):
     assert all(s["ref_logprobs"] == [-1.0] * (len(s["input_ids"]) - 3) for s in samples)
 
 
+def test_reference_scoring_sees_each_problems_attempts_together(cfg):
+    """Tapes come in finishing order, problems interleaved; the scorer gets each problem's
+    attempts in one slice (a backend runs each distinct prompt once)."""
+    cfg["finetune"]["rl"]["implicit_kl_coef"] = 0.1
+    cfg["filter"]["score_token_budget"] = 3 * 5  # three rows of 3 + 2 tokens per call
+    seen = []
+
+    def scorer(prompts, completions):
+        seen.append({tuple(p) for p in prompts})
+        return [[-1.0] * len(c) for c in completions]
+
+    ts = []
+    for a in range(3):
+        for k, pid in enumerate(("train-00001", "train-00002", "train-00003")):
+            t = tape(pid, a, float(a == k), [40 + a, 41])
+            t["prompt_token_ids"] = [k + 1, 7, 7]
+            ts.append(t)
+    flt.filter_tapes(ts, cfg, mode="all", scorer=scorer)
+    assert seen == [{(1, 7, 7)}, {(2, 7, 7)}, {(3, 7, 7)}]
+
+
 def test_score_in_chunks_checks_the_scorer():
     with pytest.raises(RuntimeError):
         flt.score_in_chunks(lambda p, c: [[0.0]], [[1], [1]], [[2], [3]], 100)

@@ -265,7 +265,9 @@ def filter_tapes(
 
 
 def _score(rows: list[dict], scorer: Scorer, token_budget: int, report: FilterReport) -> None:
-    todo = [r for r in rows if r.get("ref") is None]
+    # A problem's attempts side by side (tapes come in finishing order): a backend that runs each
+    # distinct prompt once (transformers) then finds them in the same slice.
+    todo = sorted((r for r in rows if r.get("ref") is None), key=lambda r: r["group"])
     if not todo:
         return
     refs = score_in_chunks(scorer, [r["prompt"] for r in todo], [r["completion"] for r in todo], token_budget)
