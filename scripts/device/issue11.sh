@@ -13,7 +13,8 @@
 #      catches up with that run's evaluations while it runs and is done once it is
 # RUNS picks which (default "p g o s"). They share the GPU (the 135M model leaves most of it idle),
 # each with 15 % of free memory for KV. EXTRA: overrides appended to every command, PEXTRA to p's
-# only (the third session's p had the preset's KL 0.1; the fifth ran PEXTRA=finetune.rl.kl_coef=0.01).
+# only (the third session's p had the preset's KL 0.1; the fifth ran PEXTRA=finetune.rl.kl_coef=0.01;
+# the seventh PEXTRA="attempts=16 iterations=72 test_every_n_iterations=4", since then the preset's own).
 budget=${1:-500}
 end=$(( $(date +%s) + budget ))
 X=$HOME/x
