@@ -20,10 +20,7 @@ import random
 import statistics
 import time
 
-
-def gsm8k_like_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(90, 260))] for _ in range(n)]
+from bench_gpu_sampling import gsm8k_like_prompts  # scripts/ is on sys.path when run as a script
 
 
 def main() -> None:

@@ -34,6 +34,25 @@ def pick_dtype(device: str, requested: str = "auto") -> torch.dtype:
     return torch.bfloat16
 
 
+def distinct_prompts(prompts: Sequence[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts in first-seen order, and each row's index among them."""
+    index: dict[tuple, int] = {}
+    which = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(p) for p in index], which
+
+
+def left_padded(prompts: Sequence[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, attention mask and positions of left-padded rows: every row's last token in the last column."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[r, width - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
+
 class TransformersBackend:
     name = "transformers"
 
@@ -140,17 +159,8 @@ class TransformersBackend:
         dev = self.device
         # The attempts of one problem share their prompt: each distinct prompt is prefilled once
         # and its cache rows repeated for its attempts.
-        distinct: dict[tuple, int] = {}
-        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        unique = [list(p) for p in distinct]
-        width = max(len(p) for p in unique)
-        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for r, p in enumerate(unique):  # left padding: every row's next token is at the end
-            ids[r, width - len(p):] = torch.tensor(p)
-            attn[r, width - len(p):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        unique, which = distinct_prompts(prompts)
+        ids, attn, positions = left_padded(unique, self.pad_id, dev)  # every row's next token at the end
         cache = DynamicCache()
         # logits_to_keep=1: the prefill needs the last position's logits only; all positions would
         # cost B x P x vocab (0.9 GB and ~270 GFLOP for 64 x 150 x 49k).
@@ -208,11 +218,10 @@ class TransformersBackend:
     # ---------------------------------------------------------------- scoring
     @torch.inference_mode()
     def score(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
-        distinct: dict[tuple, int] = {}
-        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        if len(distinct) * 2 > len(prompts):
+        unique, which = distinct_prompts(prompts)
+        if len(unique) * 2 > len(prompts):
             return self._score_rows(prompts, completions)  # little to share: one causal pass per row
-        return self._score_shared([list(p) for p in distinct], which, completions)
+        return self._score_shared(unique, which, completions)
 
     @torch.inference_mode()
     def _score_rows(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
@@ -270,15 +279,7 @@ class TransformersBackend:
             c_width = max(map(len, cs))
             if c_width == 0:
                 continue
-            ps = [unique[d] for d in chunk]
-            width = max(map(len, ps))
-            ids = torch.full((len(ps), width), self.pad_id, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for r, p in enumerate(ps):  # left padding: every prompt ends at the same column
-                ids[r, width - len(p):] = torch.tensor(p)
-                attn[r, width - len(p):] = 1
-            ids, attn = ids.to(dev), attn.to(dev)
-            positions = (attn.cumsum(-1) - 1).clamp(min=0)
+            ids, attn, positions = left_padded([unique[d] for d in chunk], self.pad_id, dev)
             cache = DynamicCache()
             last = decoder(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
                            use_cache=True).last_hidden_state[:, -1]
