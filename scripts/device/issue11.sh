@@ -14,7 +14,8 @@
 # RUNS picks which (default "p g o s"). They share the GPU (the 135M model leaves most of it idle),
 # each with 15 % of free memory for KV. EXTRA: overrides appended to every command, PEXTRA to p's
 # only (the third session's p had the preset's KL 0.1; the fifth ran PEXTRA=finetune.rl.kl_coef=0.01;
-# the seventh PEXTRA="attempts=16 iterations=72 test_every_n_iterations=4", since then the preset's own).
+# the seventh PEXTRA="attempts=16 iterations=72 test_every_n_iterations=4", since then the preset's own;
+# the eighth RUNS="p q" PEXTRA="iterations=96" QEXTRA="sampling.temperature=0.7").
 budget=${1:-500}
 end=$(( $(date +%s) + budget ))
 X=$HOME/x
