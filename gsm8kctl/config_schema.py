@@ -256,6 +256,7 @@ class Config:
     warn_test_drop: Optional[NonNegFloat]             # accuracy is a fraction: 0.01 = 1 point
     warn_ratio: Optional[PosFloat]
     warn_kl: Optional[NonNegFloat]
+    warn_entropy: Optional[PosFloat]                  # a multiple of the first iteration's entropy
     loop: Loop
     agent: Agent
     sampling: Sampling

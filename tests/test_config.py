@@ -255,6 +255,7 @@ BAD = [
     ("warn_test_drop=-0.01", "warn_test_drop", ">= 0 or null"),
     ("warn_ratio=0", "warn_ratio", "> 0 or null"),
     ("warn_kl=-1", "warn_kl", ">= 0 or null"),
+    ("warn_entropy=0", "warn_entropy", "> 0 or null"),
 ]
 
 

@@ -151,7 +151,7 @@ def test_iteration_steps_follow_the_data_unless_a_count_is_set():
     assert iteration_steps(1000, original)["steps"] == 8 and iteration_steps(3, original)["steps"] == 8
 
 
-GUARDS = {"warn_passes": 4.0, "warn_test_drop": 0.01, "warn_ratio": 5.0, "warn_kl": 1.0}
+GUARDS = {"warn_passes": 4.0, "warn_test_drop": 0.01, "warn_ratio": 5.0, "warn_kl": 1.0, "warn_entropy": 2.0}
 
 
 @pytest.mark.parametrize("before, now, fires", [(0.0349, 0.0200, True), (0.0349, 0.0258, False),
@@ -179,6 +179,23 @@ def test_guard_on_passes_ratio_and_kl():
     calm = {**row, "train_passes": 4.0, "train_ratio_max": 1.2, "train_kl_max": None}
     assert iteration_warnings(calm, [], GUARDS) == []
     assert iteration_warnings(row, [], dict.fromkeys(GUARDS)) == []  # null: off
+
+
+@pytest.mark.parametrize("first, now, fires", [(0.73, 1.76, True), (0.73, 1.46, False), (1.25, 0.55, False),
+                                               (None, 3.0, False)])
+def test_guard_on_an_entropy_rise(first, now, fires):
+    # The eighth session's T 0.7 run: 0.73 at iteration 0, 1.76 at 74, 2.73 at 75; the preset's fell 1.25 -> 0.55.
+    earlier = [{"iteration": 1, "train_entropy_mean": 9.0}, {"iteration": 0, "train_entropy_mean": first},
+               {"iteration": 2}]  # the first iteration's is the yardstick, whatever order the rows come in
+    if first is None:
+        earlier = [{"iteration": 2}]
+    out = iteration_warnings({"iteration": 3, "train_entropy_mean": now}, earlier, GUARDS)
+    assert len(out) == fires
+    if fires:
+        assert out[0].startswith(f"the mean entropy reached {now:.3g}, 2.4x the first iteration's 0.73 "
+                                 "(> warn_entropy=2)")
+        assert "sampling.temperature" in out[0]
+    assert iteration_warnings({"iteration": 3, "train_entropy_mean": now}, earlier, dict.fromkeys(GUARDS)) == []
 
 
 def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, capsys):

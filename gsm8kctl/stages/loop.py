@@ -114,6 +114,15 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
         value, limit = row.get(key), cfg[limit_key]
         if value is not None and limit is not None and value > limit:
             out.append(f"a finetune step's mean {label} reached {value:.3g} (> {limit_key}={limit:g}): {cause}")
+    # Entropy falls as RL sharpens the policy; a rise to a multiple of where it started means the
+    # distribution is spreading out, e.g. sampling below T 1 leaves the tail untrained (docs/results.md).
+    limit, now = cfg["warn_entropy"], row.get("train_entropy_mean")
+    first = next((r["train_entropy_mean"] for r in sorted(earlier, key=lambda r: r["iteration"])
+                  if r["iteration"] < row["iteration"] and r.get("train_entropy_mean")), None)
+    if limit is not None and now is not None and first and now > limit * first:
+        out.append(f"the mean entropy reached {now:.3g}, {now / first:.2g}x the first iteration's {first:.3g} "
+                   f"(> warn_entropy={limit:g}): the policy is spreading out; sample at "
+                   f"sampling.temperature 1, lower finetune.learning_rate or raise finetune.rl.kl_coef")
     return out
 
 
