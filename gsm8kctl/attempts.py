@@ -25,6 +25,7 @@ from gsm8kctl.backends import Backend, Completion, SamplingParams, get_backend, 
 from gsm8kctl.chat import render_prompt
 from gsm8kctl.data import load_problems
 from gsm8kctl.errors import UserError
+from gsm8kctl.hostgate import HostGate
 from gsm8kctl.jsonl import AppendTarget, JsonlAppender, scan_for_append
 from gsm8kctl.models import resolve_model
 from gsm8kctl.paths import check_output_file
@@ -156,6 +157,7 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
             tapes, calls, tokens = [], [], 0
             now = time.time()
             for k, comp in pending:
+                gate.wait()  # while the sampler launches GPU work, this thread keeps off the GIL
                 problem, attempt = jobs[k]
                 messages, text, ids = rendered[problem["id"]]
                 tid = ids_of[(problem["id"], attempt)]
@@ -178,12 +180,14 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
             if calls_db:
                 llm_calls.insert_calls(calls_log(), calls)
             for tape in tapes:
+                gate.wait()
                 writer.write(tape)
             stats["tapes"] += len(tapes)
             stats["tokens"] += tokens
             bar.advance(len(pending), tokens)
 
         prompts = [rendered[p["id"]][2] for p, _ in jobs]
+        gate = HostGate()  # the writer runs while the sampler waits on the GPU (hostgate.py)
         with ThreadPoolExecutor(max_workers=1) as writer_thread:
             writes: list = []
 
@@ -195,17 +199,22 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
             try:
                 if hasattr(backend, "generate_iter"):
                     # One continuous batch over every attempt; tapes are written as completions
-                    # finish, by the writer thread (in order), so grading and JSON never stall the GPU.
+                    # finish, by the writer thread (in order), so grading and JSON never stall the
+                    # GPU; on CUDA the backend lets the writer run only while it waits on the device.
                     call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
                                           max_tokens=params.max_tokens, seed=params.seed, seeds=seeds)
                     pending: list[tuple[int, Completion]] = []
                     every_s = cfg["sampling"]["write_interval_s"]
                     last = time.perf_counter()
-                    for k, _, comp in backend.generate_iter(prompts, call):
-                        pending.append((k, comp))
-                        if len(pending) >= FLUSH_EVERY or time.perf_counter() - last >= every_s:
-                            write(pending)
-                            pending, last = [], time.perf_counter()
+                    completions = backend.generate_iter(prompts, call, gate=gate)
+                    try:
+                        for k, _, comp in completions:
+                            pending.append((k, comp))
+                            if len(pending) >= FLUSH_EVERY or time.perf_counter() - last >= every_s:
+                                write(pending)
+                                pending, last = [], time.perf_counter()
+                    finally:
+                        completions.close()  # opens the gate now, even on an error: the writer must drain
                     write(pending)
                 else:
                     for start in range(0, len(jobs), REQUESTS_PER_CALL):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -42,6 +42,7 @@ from gsm8kctl.backends.decode_attention import DecodeAttention
 from gsm8kctl.backends.decode_attention import available as split_k_available
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.errors import UserError
+from gsm8kctl.hostgate import HostGate
 
 ATTN_NAME = "gsm8kctl_slots"
 # Bytes of float32 work per slot and vocabulary entry in a decode step: log-softmax, probs,
@@ -240,8 +241,10 @@ class SlotEngine:
         self.split_k = (DecodeAttention(slots, max_len, kv_heads, heads // kv_heads, head_dim, dtype, dev)
                         if self.attention == "split_k" else None)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # Where `run`'s time goes (wall seconds on the host): blocked at the window syncs (the GPU
+        # running behind), admitting (prefill and its sync), the rest (bookkeeping, the caller).
         self.stats = {"decode_steps": 0, "prefill_tokens": 0, "graph_captures": 0, "capture_s": 0.0,
-                      "slot_steps_busy": 0, "slot_steps_run": 0}
+                      "slot_steps_busy": 0, "slot_steps_run": 0, "sync_s": 0.0, "admit_s": 0.0, "run_s": 0.0}
 
     # ------------------------------------------------------------------ model calls
     @contextmanager
@@ -329,8 +332,11 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ scheduling
     def run(self, requests: list[Request], *, temperature: float, top_p: float,
-            max_tokens: int) -> Iterator[Finished]:
-        """Decode every request; yields each one as it finishes (not in request order)."""
+            max_tokens: int, gate: HostGate | None = None) -> Iterator[Finished]:
+        """Decode every request; yields each one as it finishes (not in request order).
+
+        `gate`, held by the caller, is opened around each window's wait on the device: a helper
+        thread (the tape writer) runs then and never while this thread launches (hostgate.py)."""
         for r in requests:
             if len(r.prompt) + max_tokens > self.max_len:
                 raise UserError(f"a prompt of {len(r.prompt)} tokens + max_tokens {max_tokens} does not fit "
@@ -347,10 +353,14 @@ class SlotEngine:
             r, owner[row] = owner[row], None
             return Finished(r.index, r.tokens, r.logprobs, r.finish, time.perf_counter() - r.start)
 
+        t_run = time.perf_counter()
         while waiting or any(o is not None for o in owner):
             free = [i for i in range(self.slots) if owner[i] is None]
             if waiting and (len(free) >= refill_at or len(free) == self.slots):
-                for row in self._admit(waiting, free, owner, temperature, top_p, max_tokens, stop_set):
+                t0 = time.perf_counter()
+                ended = list(self._admit(waiting, free, owner, temperature, top_p, max_tokens, stop_set))
+                self.stats["admit_s"] += time.perf_counter() - t0
+                for row in ended:
                     yield finish(row)
             busy = [i for i in range(self.slots) if owner[i] is not None]
             if not busy:
@@ -365,7 +375,10 @@ class SlotEngine:
             self.stats["decode_steps"] += self.window
             self.stats["slot_steps_run"] += b * self.window
             # The window's one host sync; then each busy slot takes tokens up to its stop or limit.
-            toks, lps = win_tok[:b].cpu().numpy(), win_lp[:b].cpu().numpy()
+            t0 = time.perf_counter()
+            with gate.released() if gate is not None else nullcontext():
+                toks, lps = win_tok[:b].cpu().numpy(), win_lp[:b].cpu().numpy()
+            self.stats["sync_s"] += time.perf_counter() - t0
             is_stop = np.isin(toks, stops)
             first_stop = np.where(is_stop.any(1), is_stop.argmax(1), self.window)  # per row
             tok_rows, lp_rows = toks.tolist(), lps.tolist()
@@ -382,6 +395,7 @@ class SlotEngine:
                     yield finish(i)
                 elif n >= room:
                     yield finish(i)
+        self.stats["run_s"] += time.perf_counter() - t_run
 
     def _admit(self, waiting, free, owner, temperature, top_p, max_tokens, stop_set) -> Iterator[int]:
         """Prefill waiting prompts into free rows (lowest first) under the token budget; yields

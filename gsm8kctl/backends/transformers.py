@@ -11,6 +11,7 @@ batch; on CUDA the slot engine (backends/slots.py: continuous batching, CUDA-gra
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Iterator, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from gsm8kctl.backends.base import Completion, SamplingParams, check_decode_atte
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots
 from gsm8kctl.errors import UserError
+from gsm8kctl.hostgate import HostGate
 from gsm8kctl.logprobs import chosen_logprobs, pad_batch, token_budget_batches, token_logprobs
 from gsm8kctl.models import completion_text, load_tokenizer, stop_token_ids
 
@@ -96,9 +98,13 @@ class TransformersBackend:
             out[i][j] = comp
         return out  # type: ignore[return-value]
 
-    def generate_iter(self, prompts: Sequence[list[int]], params: SamplingParams
-                      ) -> Iterator[tuple[int, int, Completion]]:
-        """(prompt index, sample index, completion) for every completion, as each finishes."""
+    def generate_iter(self, prompts: Sequence[list[int]], params: SamplingParams, *,
+                      gate: HostGate | None = None) -> Iterator[tuple[int, int, Completion]]:
+        """(prompt index, sample index, completion) for every completion, as each finishes.
+
+        `gate`: the caller's helper thread (hostgate.py) waits on it; on CUDA this generator holds
+        it while it runs and opens it around the device waits. On the CPU every op computes on
+        the host, so there is no wait to run the helper in: the gate stays open."""
         rows = [list(p) for p in prompts for _ in range(params.n)]
         if not rows:
             return
@@ -110,11 +116,13 @@ class TransformersBackend:
         if self.static_cache:
             engine = self._slot_engine(longest + params.max_tokens)
             requests = [Request(k, rows[k], seeds[k]) for k in sorted(range(len(rows)), key=lambda k: len(rows[k]))]
-            for f in engine.run(requests, temperature=params.temperature, top_p=params.top_p,
-                                max_tokens=params.max_tokens):
-                text = self.text(f.token_ids)
-                yield f.index // params.n, f.index % params.n, Completion(f.token_ids, f.logprobs, f.finish_reason,
-                                                                          text, f.latency_s)
+            gate = gate if self.device == "cuda" else None
+            with gate.held() if gate is not None else nullcontext():
+                for f in engine.run(requests, temperature=params.temperature, top_p=params.top_p,
+                                    max_tokens=params.max_tokens, gate=gate):
+                    text = self.text(f.token_ids)
+                    yield f.index // params.n, f.index % params.n, Completion(f.token_ids, f.logprobs,
+                                                                              f.finish_reason, text, f.latency_s)
             return
         # Similar prompt lengths in a batch waste less padding.
         order = sorted(range(len(rows)), key=lambda k: len(rows[k]))
