@@ -4,7 +4,8 @@ batching, CUDA-graphed decode) against `model.generate(cache_implementation="sta
 Parts (`--parts`, comma-separated), each a row or more of one table, all in one JSON file:
   shapes    random-init shapes (SmolLM2-135M, Qwen2.5-1.5B dims) in-process: generate + score
   score     random-init SmolLM2-135M in-process: one generate (the sampling throughput) against
-            score() over GSM8k-like completion lengths at several token budgets and logit chunks
+            score() over GSM8k-like completion lengths at several token budgets and logit chunks,
+            both paths side by side: one pass per row, and shared prompts (8 rows per prompt)
   parity    float32 greedy: slot engine vs the dynamic-cache path on the same GPU, token ids saved
   cli       the real commands on the real model: `sample` 1024 problems x 8 (twice: a first and a
             second process), `evaluate` on the whole test split; wall time includes start + load
@@ -130,7 +131,7 @@ def part_score(a, work: Path, rows: list) -> None:
 
     from gsm8kctl import logprobs
     from gsm8kctl.backends.base import SamplingParams
-    from gsm8kctl.backends.transformers import TransformersBackend
+    from gsm8kctl.backends.transformers import TransformersBackend, distinct_prompts
 
     attempts = a.shape_attempts_135m
     path = random_model("135m", a.tokenizer, work / "rand-135m")
@@ -147,19 +148,24 @@ def part_score(a, work: Path, rows: list) -> None:
     flat_c = [[rng.randrange(100, 40000) for _ in range(n)] for n in completion_lengths(attempts)]
     scored = sum(map(len, flat_c))
     chunk_default = logprobs.token_logprobs.__kwdefaults__["chunk_tokens"]
-    for budget, chunk in ((16384, chunk_default), (65536, chunk_default), (262144, chunk_default),
-                          (65536, 8192), (262144, 8192)):
+    unique, which = distinct_prompts(flat_p)
+    paths = {"one pass per row": lambda: backend._score_rows(flat_p, flat_c),
+             "shared prompts": lambda: backend._score_shared(unique, which, flat_c)}
+    for budget, chunk, path in ((16384, chunk_default, "one pass per row"), (16384, chunk_default, "shared prompts"),
+                                (65536, chunk_default, "one pass per row"), (65536, chunk_default, "shared prompts"),
+                                (262144, chunk_default, "one pass per row"), (262144, chunk_default, "shared prompts"),
+                                (262144, 8192, "one pass per row")):
         backend.score_token_budget = budget
         logprobs.token_logprobs.__kwdefaults__["chunk_tokens"] = chunk
         walls = []
         for _ in range(3):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            backend.score(flat_p, flat_c)
+            paths[path]()
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
         wall = statistics.median(walls)
-        rows.append({"part": "score", "run": f"135m score x{attempts}, budget {budget}, logit chunk {chunk}",
+        rows.append({"part": "score", "run": f"135m score x{attempts}, {path}, budget {budget}, logit chunk {chunk}",
                      "n": attempts, "wall_s": round(wall, 3), "walls_s": [round(w, 3) for w in walls],
                      "tokens": scored, "tokens_per_s": round(scored / wall),
                      "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1)})

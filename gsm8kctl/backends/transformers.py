@@ -227,8 +227,11 @@ class TransformersBackend:
     @torch.inference_mode()
     def score(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
         unique, which = distinct_prompts(prompts)
-        if len(unique) * 2 > len(prompts):
-            return self._score_rows(prompts, completions)  # little to share: one causal pass per row
+        # On CUDA one causal pass per row wins even with 8 rows per prompt: the shared path's
+        # masked second pass (no flash kernel) and repeated cache ran at half its speed on the
+        # H200 (docs/benchmarks.md); on the CPU sharing was 1.5x faster.
+        if self.device == "cuda" or len(unique) * 2 > len(prompts):
+            return self._score_rows(prompts, completions)
         return self._score_shared(unique, which, completions)
 
     @torch.inference_mode()
