@@ -3,6 +3,7 @@
 #   bash scripts/device/issue9.sh kernel   # split-K kernel vs flash, step profile, random-init shapes (no weights)
 #   bash scripts/device/issue9.sh score    # score() against sampling (random init, no weights), and where imports go
 #   bash scripts/device/issue9.sh cli      # the real SmolLM2 ($SMOLLM2, both GGUF parts carried): sample/evaluate
+#   bash scripts/device/issue9.sh profile  # the real SmolLM2: one sample and one evaluate process, phase by phase, twice
 # JSON goes to $OUT (the device tool brings it back); copy it to docs/bench/ by hand.
 set -u
 part=${1:?kernel or cli}
@@ -23,5 +24,19 @@ case $part in
   cli)
     python3 scripts/bench_gpu_sampling.py --parts cli --model "$SMOLLM2" --data-dir "$GSM8K_DIR" \
       --attentions "${ATTENTIONS:-split_k,flash}" --out "$OUT/cli.json"
+    ;;
+  profile)  # where one sample / evaluate process's wall time goes (scripts/profile_sample.py),
+            # with the host gate and without it (--no-gate), alternating
+    common="--model $SMOLLM2 --backend transformers -q ${EXTRA:-}"
+    for run in 1 2; do
+      for gate in gate no-gate; do
+        flag=$([ $gate = no-gate ] && echo --no-gate)
+        rm -rf "/tmp/prof-$gate-$run" "/tmp/prof-eval-$gate-$run"
+        python3 scripts/profile_sample.py $flag --out "$OUT/profile-sample-$gate-$run.json" -- sample $common \
+          -o "/tmp/prof-$gate-$run/tapes.jsonl" --n-problems 1024 --attempts 8 --temperature 1.0 --max-tokens 512
+        python3 scripts/profile_sample.py $flag --out "$OUT/profile-evaluate-$gate-$run.json" -- evaluate $common \
+          -o "/tmp/prof-eval-$gate-$run" --json
+      done
+    done
     ;;
 esac
