@@ -74,7 +74,8 @@ def test_the_engine_opens_the_gate_at_its_window_syncs_and_changes_no_token(tiny
     with gate.held():
         _, passed = _helper(gate)
         gated = run(gate)
-        assert passed.is_set()  # it ran at a window sync, before the run ended
+        # Still inside `held`: only the engine's window syncs can have let it through.
+        assert passed.wait(10)
         _, after = _helper(gate)
         assert not after.wait(0.3)  # and the engine left the gate shut for its caller
     assert gated == run(None)
