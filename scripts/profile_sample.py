@@ -11,7 +11,9 @@ draining after the last completion, and close. Prints a table and writes JSON.
     python scripts/profile_sample.py --out eval.json -- evaluate --model M --backend transformers -q -o /tmp/e --json
 
 `--no-gate` runs the same command with the host gate (gsm8kctl/hostgate.py) never shut: the
-writer thread free-running beside the sampler, as it was before the gate.
+writer thread free-running beside the sampler, as it was before the gate. `--no-overlap` runs
+the slot engine's windows one after the other (the host reads each window's tokens before it
+launches the next), as before overlapped windows.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-gate", action="store_true",
                     help="the host gate never shuts (the writer thread runs free, as before hostgate.py)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the slot engine launches a window only after reading the last one's tokens")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the gsm8kctl command line")
     a = ap.parse_args()
     argv = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -49,6 +53,12 @@ def main() -> None:
 
         HostGate.held = lambda self: contextlib.nullcontext(self)
         HostGate.released = lambda self: contextlib.nullcontext()
+    if a.no_overlap:
+        import functools
+
+        from gsm8kctl.backends import slots
+
+        slots.SlotEngine.__init__ = functools.partialmethod(slots.SlotEngine.__init__, overlap=False)
     from gsm8kctl import attempts
 
     engine_stats: dict = {}
@@ -109,7 +119,7 @@ def main() -> None:
     run_s = engine_stats.get("run_s", 0.0)
     split = {k: round(engine_stats.get(k, 0.0), 3) for k in ("sync_s", "admit_s", "capture_s")}
     split["rest_s"] = round(run_s - split["sync_s"] - split["admit_s"], 3)
-    result = {"argv": argv, "gate": not a.no_gate, "phases": rows, "engine": engine_stats, "engine_run_split": split,
+    result = {"argv": argv, "gate": not a.no_gate, "overlap": not a.no_overlap, "phases": rows, "engine": engine_stats, "engine_run_split": split,
               "stdout_tail": stdout.getvalue()[-2000:]}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -73,9 +73,12 @@ def test_attempts_of_one_prompt_share_one_prefill(tiny_model_dir, dynamic, promp
     assert engine._engine.stats["prefill_tokens"] == 3 * max(len(p) for p in some)
 
 
-def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, prompts):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, prompts, overlap):
     """Stop on frequent tokens so rows end at different steps; a tiny prefill budget admits one
-    prompt at a time; a window of 3 decodes junk past a stop that must be dropped."""
+    prompt at a time; a window of 3 decodes junk past a stop that must be dropped. With
+    `overlap` (CUDA's default) each window is launched before the last one's tokens are read,
+    so finished rows run a window more and refill later: the tokens must not change."""
     params = SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=11)
     ref = dynamic.generate(prompts, params)
     # Two tokens the model picks often become stop tokens: completions end at varied lengths.
@@ -93,7 +96,7 @@ def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, promp
         dynamic.stop_ids = saved
     assert {c.finish_reason for row in ref for c in row} == {"stop", "length"}
     engine = SlotEngine(dynamic.model_obj, slots=5, max_len=64, stop_ids=stops, pad_id=dynamic.pad_id,
-                        prefill_token_budget=16, window=3)
+                        prefill_token_budget=16, window=3, overlap=overlap)
     rows = [p for p in prompts for _ in range(2)]
     seeds = completion_seeds(params, len(rows))
     done = {f.index: f for f in engine.run([Request(k, rows[k], seeds[k]) for k in range(len(rows))],
@@ -105,6 +108,13 @@ def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, promp
         if f.finish_reason == "stop":
             assert f.token_ids[-1] in stops and not set(f.token_ids[:-1]) & set(stops)
     assert engine.stats["slot_steps_run"] > engine.stats["slot_steps_busy"]  # junk steps happened
+    if overlap:  # rows refilled a window late: more windows ran for the same tokens
+        serial = SlotEngine(dynamic.model_obj, slots=5, max_len=64, stop_ids=stops, pad_id=dynamic.pad_id,
+                            prefill_token_budget=16, window=3, overlap=False)
+        list(serial.run([Request(k, rows[k], seeds[k]) for k in range(len(rows))],
+                        temperature=1.0, top_p=1.0, max_tokens=20))
+        assert engine.stats["slot_steps_busy"] == serial.stats["slot_steps_busy"]
+        assert engine.stats["decode_steps"] > serial.stats["decode_steps"]
 
 
 def test_same_seed_same_tokens_in_any_batch(tiny_model_dir, prompts):

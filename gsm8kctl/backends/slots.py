@@ -16,7 +16,9 @@ batch never waits on its longest row, and the decode step always has the same sh
   prompt runs once and its cache rows are copied to the others.
 - The host looks at the tokens every `window` decode steps (one sync), hands out finished
   completions and refills free slots. A slot that finished inside a window decodes a few junk
-  tokens until the window ends; they are dropped.
+  tokens until the window ends; they are dropped. On CUDA the windows overlap: window k+1 is
+  launched before the host reads window k's tokens (copied asynchronously to pinned memory), so
+  the GPU never waits on the host's bookkeeping; a finished slot refills one window later.
 - When the waiting queue is empty and few slots remain busy, busy slots move down to the lowest
   rows (one indexed copy of their cache rows) so a smaller bucket's graph runs.
 
@@ -154,6 +156,17 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"
     start: float = 0.0
+    row: int = -1  # the slot row it holds now
+    done: bool = False
+
+
+@dataclass
+class _Window:
+    """One launched window of decode steps: its rows' owners at launch, and where its tokens land."""
+    rows: list[tuple[Request, int]]  # (owner, row) of every busy row at launch
+    tok: torch.Tensor  # [b, window] on the host, filled by an asynchronous copy
+    lp: torch.Tensor
+    copied: "torch.cuda.Event | None"
 
 
 @dataclass
@@ -203,7 +216,7 @@ class SlotEngine:
 
     def __init__(self, model, *, slots: int, max_len: int, stop_ids: Sequence[int], pad_id: int,
                  prefill_token_budget: int = 8192, use_graphs: bool | None = None, window: int | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", overlap: bool | None = None):
         _register()
         self.model = model
         self.decoder = model.get_decoder()
@@ -220,6 +233,10 @@ class SlotEngine:
         self.use_graphs = cuda if use_graphs is None else use_graphs
         # One host sync per `window` decode steps; on the CPU a sync is free, junk steps are not.
         self.window = window or (8 if cuda else 1)
+        # Launch window k+1 before looking at window k's tokens, so the host's bookkeeping runs
+        # while the GPU decodes. A finished slot then decodes one more window of junk before it
+        # refills: free on a GPU kept busy, a real cost on the CPU.
+        self.overlap = cuda if overlap is None else overlap
         self.buckets = buckets_for(slots) if self.use_graphs else list(range(1, slots + 1))
         dev = self.device
         self.kv = torch.zeros((cfg.num_hidden_layers, 2, slots, max_len, kv_heads, head_dim), dtype=dtype, device=dev)
@@ -347,26 +364,18 @@ class SlotEngine:
         owner: list[Request | None] = [None] * self.slots  # request held by each slot row
         win_tok = torch.zeros((self.slots, self.window), dtype=torch.long, device=self.device)
         win_lp = torch.zeros((self.slots, self.window), dtype=torch.float32, device=self.device)
+        cuda = self.device.type == "cuda"
+        # Two host buffers: the host reads one window's tokens while the next is copied into the other.
+        host = [(torch.zeros((self.slots, self.window), dtype=torch.long, pin_memory=cuda),
+                 torch.zeros((self.slots, self.window), dtype=torch.float32, pin_memory=cuda)) for _ in range(2)]
         refill_at = max(1, self.slots // 16)  # free slots worth a prefill while the others wait
+        released = gate.released if gate is not None else nullcontext
 
-        def finish(row: int) -> Finished:
-            r, owner[row] = owner[row], None
+        def finish(r: Request) -> Finished:
+            owner[r.row], r.done = None, True
             return Finished(r.index, r.tokens, r.logprobs, r.finish, time.perf_counter() - r.start)
 
-        t_run = time.perf_counter()
-        while waiting or any(o is not None for o in owner):
-            free = [i for i in range(self.slots) if owner[i] is None]
-            if waiting and (len(free) >= refill_at or len(free) == self.slots):
-                t0 = time.perf_counter()
-                ended = list(self._admit(waiting, free, owner, temperature, top_p, max_tokens, stop_set))
-                self.stats["admit_s"] += time.perf_counter() - t0
-                for row in ended:
-                    yield finish(row)
-            busy = [i for i in range(self.slots) if owner[i] is not None]
-            if not busy:
-                continue
-            if not waiting:
-                busy = self._compact(busy, owner)
+        def launch(busy: list[int], parity: int) -> _Window:
             b = next(k for k in self.buckets if k > busy[-1])
             for j in range(self.window):
                 self._run_step(b, temperature, top_p)
@@ -374,16 +383,28 @@ class SlotEngine:
                 win_lp[:b, j] = self.lp[:b]
             self.stats["decode_steps"] += self.window
             self.stats["slot_steps_run"] += b * self.window
-            # The window's one host sync; then each busy slot takes tokens up to its stop or limit.
+            tok, lp = host[parity][0][:b], host[parity][1][:b]
+            tok.copy_(win_tok[:b], non_blocking=cuda)
+            lp.copy_(win_lp[:b], non_blocking=cuda)
+            copied = torch.cuda.Event() if cuda else None
+            if copied is not None:
+                copied.record()
+            return _Window([(owner[i], i) for i in busy], tok, lp, copied)
+
+        def take(w: _Window) -> Iterator[Finished]:
+            """Each row still held by its owner at launch takes its tokens up to a stop or the limit."""
             t0 = time.perf_counter()
-            with gate.released() if gate is not None else nullcontext():
-                toks, lps = win_tok[:b].cpu().numpy(), win_lp[:b].cpu().numpy()
+            with released():  # the window's one host wait on the device
+                if w.copied is not None:
+                    w.copied.synchronize()
             self.stats["sync_s"] += time.perf_counter() - t0
+            toks = w.tok.numpy()
             is_stop = np.isin(toks, stops)
             first_stop = np.where(is_stop.any(1), is_stop.argmax(1), self.window)  # per row
-            tok_rows, lp_rows = toks.tolist(), lps.tolist()
-            for i in busy:
-                r = owner[i]
+            tok_rows, lp_rows = toks.tolist(), w.lp.numpy().tolist()
+            for r, i in w.rows:
+                if r.done:  # finished in the window before: these are junk steps
+                    continue
                 room = max_tokens - len(r.tokens)
                 stop_at = int(first_stop[i])
                 n = min(self.window, room, stop_at + 1)
@@ -392,14 +413,40 @@ class SlotEngine:
                 self.stats["slot_steps_busy"] += n
                 if stop_at < n:
                     r.finish = "stop"
-                    yield finish(i)
+                    yield finish(r)
                 elif n >= room:
-                    yield finish(i)
+                    yield finish(r)
+
+        t_run = time.perf_counter()
+        in_flight: _Window | None = None
+        parity = 0
+        while True:
+            free = [i for i in range(self.slots) if owner[i] is None]
+            if waiting and (len(free) >= refill_at or len(free) == self.slots):
+                t0 = time.perf_counter()
+                ended = list(self._admit(waiting, free, owner, temperature, top_p, max_tokens, stop_set, released))
+                self.stats["admit_s"] += time.perf_counter() - t0
+                for r in ended:
+                    yield finish(r)
+            busy = [i for i in range(self.slots) if owner[i] is not None]
+            if busy and not waiting:
+                busy = self._compact(busy, owner)
+            launched = launch(busy, parity) if busy else None
+            parity ^= 1
+            if not self.overlap and launched is not None:
+                yield from take(launched)
+                launched = None
+            if in_flight is not None:
+                yield from take(in_flight)
+            in_flight = launched
+            if in_flight is None and not waiting and not any(o is not None for o in owner):
+                break
         self.stats["run_s"] += time.perf_counter() - t_run
 
-    def _admit(self, waiting, free, owner, temperature, top_p, max_tokens, stop_set) -> Iterator[int]:
+    def _admit(self, waiting, free, owner, temperature, top_p, max_tokens, stop_set, released
+               ) -> Iterator[Request]:
         """Prefill waiting prompts into free rows (lowest first) under the token budget; yields
-        the rows whose request ended at its first token."""
+        the requests that ended at their first token. `released` wraps the wait for the first tokens."""
         rows = sorted(free)[:len(waiting)]
         admitted = [waiting.popleft() for _ in rows]
         start = 0
@@ -436,16 +483,18 @@ class SlotEngine:
             self.lp[dev_rows] = first_lp
             self.pos[dev_rows] = torch.tensor([len(r.prompt) for r in chunk], device=self.device)
             self.count[dev_rows] = 1
-            for r, row, tok, lp in zip(chunk, chunk_rows, first.tolist(), first_lp.tolist()):
-                r.start = now
+            with released():
+                first_toks, first_lps = first.tolist(), first_lp.tolist()
+            for r, row, tok, lp in zip(chunk, chunk_rows, first_toks, first_lps):
+                r.start, r.row = now, row
                 owner[row] = r
                 r.tokens.append(tok)
                 r.logprobs.append(lp)
                 if tok in stop_set:
                     r.finish = "stop"
-                    yield row
+                    yield r
                 elif max_tokens <= 1:
-                    yield row
+                    yield r
             start = end
 
     def _compact(self, busy: list[int], owner) -> list[int]:
@@ -462,4 +511,5 @@ class SlotEngine:
             t[dst] = t[src]
         for s, d in zip(movers, holes):
             owner[d], owner[s] = owner[s], None
+            owner[d].row = d
         return sorted(r for r in range(self.slots) if owner[r] is not None)

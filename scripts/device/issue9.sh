@@ -26,11 +26,11 @@ case $part in
       --attentions "${ATTENTIONS:-split_k,flash}" --out "$OUT/cli.json"
     ;;
   profile)  # where one sample / evaluate process's wall time goes (scripts/profile_sample.py),
-            # with the host gate and without it (--no-gate), alternating
+            # alternating the variants in $VARIANTS (default: the host gate and without it, --no-gate)
     common="--model $SMOLLM2 --backend transformers -q ${EXTRA:-}"
     for run in 1 2; do
-      for gate in gate no-gate; do
-        flag=$([ $gate = no-gate ] && echo --no-gate)
+      for gate in ${VARIANTS:-gate no-gate}; do
+        flag=$(case $gate in no-gate) echo --no-gate;; no-overlap) echo --no-overlap;; esac)
         rm -rf "/tmp/prof-$gate-$run" "/tmp/prof-eval-$gate-$run"
         python3 scripts/profile_sample.py $flag --out "$OUT/profile-sample-$gate-$run.json" -- sample $common \
           -o "/tmp/prof-$gate-$run/tapes.jsonl" --n-problems 1024 --attempts 8 --temperature 1.0 --max-tokens 512
