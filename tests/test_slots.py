@@ -117,6 +117,33 @@ def test_stop_tokens_budget_window_and_compaction(tiny_model_dir, dynamic, promp
         assert engine.stats["decode_steps"] > serial.stats["decode_steps"]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_completions_that_end_at_their_first_token(dynamic, prompts, overlap):
+    """The prefill chooses a row's first token and the host reads it only with the next window:
+    one-token completions (max_tokens 1) and a stop chosen first must still end right there."""
+    engine = SlotEngine(dynamic.model_obj, slots=3, max_len=64, stop_ids=[0], pad_id=dynamic.pad_id,
+                        window=2, overlap=overlap)
+    seeds = completion_seeds(SamplingParams(n=1, seed=7), len(prompts))
+
+    def run(max_tokens, stops=None):
+        if stops is not None:
+            engine.stop = torch.tensor(stops)
+        reqs = [Request(k, prompts[k], seeds[k]) for k in range(len(prompts))]
+        return {f.index: f for f in engine.run(reqs, temperature=1.0, top_p=1.0, max_tokens=max_tokens)}
+
+    one = run(1)
+    assert {k: (f.token_ids, f.finish_reason) for k, f in one.items()} == \
+        {k: ([f.token_ids[0]], "length") for k, f in run(6).items()}
+    firsts = sorted({f.token_ids[0] for f in one.values()})[:2]  # some rows choose these first
+    ended = run(6, stops=firsts)
+    for k, f in ended.items():
+        if one[k].token_ids[0] in firsts:
+            assert (f.token_ids, f.finish_reason) == (one[k].token_ids, "stop")
+        else:
+            assert len(f.token_ids) > 1
+    assert sum(f.finish_reason == "stop" and len(f.token_ids) == 1 for f in ended.values()) >= 2
+
+
 def test_same_seed_same_tokens_in_any_batch(tiny_model_dir, prompts):
     """A completion depends on its seed only, not on what shares the batch or its slot."""
     engine = _backend(tiny_model_dir, "transformers.static_cache=true", "sampling.max_slots=3")

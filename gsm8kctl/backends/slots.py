@@ -19,6 +19,8 @@ batch never waits on its longest row, and the decode step always has the same sh
   tokens until the window ends; they are dropped. On CUDA the windows overlap: window k+1 is
   launched before the host reads window k's tokens (copied asynchronously to pinned memory), so
   the GPU never waits on the host's bookkeeping; a finished slot refills one window later.
+  Admission does not wait on the device either: inputs go up from pinned memory without a
+  sync, and the first token the prefill chose reaches the host with the next window's tokens.
 - When the waiting queue is empty and few slots remain busy, busy slots move down to the lowest
   rows (one indexed copy of their cache rows) so a smaller bucket's graph runs.
 
@@ -157,6 +159,7 @@ class Request:
     finish: str = "length"
     start: float = 0.0
     row: int = -1  # the slot row it holds now
+    fresh: bool = False  # admitted; its first token (chosen by the prefill) not yet read by the host
     done: bool = False
 
 
@@ -164,8 +167,8 @@ class Request:
 class _Window:
     """One launched window of decode steps: its rows' owners at launch, and where its tokens land."""
     rows: list[tuple[Request, int]]  # (owner, row) of every busy row at launch
-    tok: torch.Tensor  # [b, window] on the host, filled by an asynchronous copy
-    lp: torch.Tensor
+    tok: torch.Tensor  # [b, 1 + window] on the host, filled by an asynchronous copy: the token
+    lp: torch.Tensor   # each row held before the window (a fresh row's first), then the window's
     copied: "torch.cuda.Event | None"
 
 
@@ -287,10 +290,10 @@ class SlotEngine:
         ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
         for i, r in enumerate(reqs):
             ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
-        ids = ids.to(self.device)
-        last = torch.tensor([len(r.prompt) - 1 for r in reqs], device=self.device)
+        ids = self._up(ids)
+        last = self._up([len(r.prompt) - 1 for r in reqs])
         with self._attn():
-            _FWD.prefill_rows = torch.tensor(rows, device=self.device)
+            _FWD.prefill_rows = self._up(rows)
             hidden = self.decoder(input_ids=ids, position_ids=self.positions[:width].expand(len(reqs), width),
                                   use_cache=False).last_hidden_state
         self.stats["prefill_tokens"] += len(reqs) * width
@@ -358,16 +361,16 @@ class SlotEngine:
             if len(r.prompt) + max_tokens > self.max_len:
                 raise UserError(f"a prompt of {len(r.prompt)} tokens + max_tokens {max_tokens} does not fit "
                                 f"the sampler's {self.max_len}-token slots")
-        stop_set = set(self.stop.tolist())
-        stops = np.array(sorted(stop_set))
+        stops = np.array(sorted(set(self.stop.tolist())))
         waiting = deque(requests)
         owner: list[Request | None] = [None] * self.slots  # request held by each slot row
-        win_tok = torch.zeros((self.slots, self.window), dtype=torch.long, device=self.device)
-        win_lp = torch.zeros((self.slots, self.window), dtype=torch.float32, device=self.device)
+        width = 1 + self.window  # the token before the window, then the window's
+        win_tok = torch.zeros((self.slots, width), dtype=torch.long, device=self.device)
+        win_lp = torch.zeros((self.slots, width), dtype=torch.float32, device=self.device)
         cuda = self.device.type == "cuda"
         # Two host buffers: the host reads one window's tokens while the next is copied into the other.
-        host = [(torch.zeros((self.slots, self.window), dtype=torch.long, pin_memory=cuda),
-                 torch.zeros((self.slots, self.window), dtype=torch.float32, pin_memory=cuda)) for _ in range(2)]
+        host = [(torch.zeros((self.slots, width), dtype=torch.long, pin_memory=cuda),
+                 torch.zeros((self.slots, width), dtype=torch.float32, pin_memory=cuda)) for _ in range(2)]
         refill_at = max(1, self.slots // 16)  # free slots worth a prefill while the others wait
         released = gate.released if gate is not None else nullcontext
 
@@ -377,7 +380,9 @@ class SlotEngine:
 
         def launch(busy: list[int], parity: int) -> _Window:
             b = next(k for k in self.buckets if k > busy[-1])
-            for j in range(self.window):
+            win_tok[:b, 0] = self.tok[:b]
+            win_lp[:b, 0] = self.lp[:b]
+            for j in range(1, width):
                 self._run_step(b, temperature, top_p)
                 win_tok[:b, j] = self.tok[:b]
                 win_lp[:b, j] = self.lp[:b]
@@ -400,17 +405,20 @@ class SlotEngine:
             self.stats["sync_s"] += time.perf_counter() - t0
             toks = w.tok.numpy()
             is_stop = np.isin(toks, stops)
-            first_stop = np.where(is_stop.any(1), is_stop.argmax(1), self.window)  # per row
+            # Per row, the first stop from column 0 (a fresh row) and from column 1 (the others).
+            stop_from0 = np.where(is_stop.any(1), is_stop.argmax(1), width)
+            stop_from1 = np.where(is_stop[:, 1:].any(1), is_stop[:, 1:].argmax(1), width)
             tok_rows, lp_rows = toks.tolist(), w.lp.numpy().tolist()
             for r, i in w.rows:
                 if r.done:  # finished in the window before: these are junk steps
                     continue
+                start, stop_at = (0, int(stop_from0[i])) if r.fresh else (1, int(stop_from1[i]))
+                r.fresh = False
                 room = max_tokens - len(r.tokens)
-                stop_at = int(first_stop[i])
-                n = min(self.window, room, stop_at + 1)
-                r.tokens.extend(tok_rows[i][:n])
-                r.logprobs.extend(lp_rows[i][:n])
-                self.stats["slot_steps_busy"] += n
+                n = min(width - start, room, stop_at + 1)
+                r.tokens.extend(tok_rows[i][start:start + n])
+                r.logprobs.extend(lp_rows[i][start:start + n])
+                self.stats["slot_steps_busy"] += n - (1 - start)  # a first token is the prefill's
                 if stop_at < n:
                     r.finish = "stop"
                     yield finish(r)
@@ -424,10 +432,8 @@ class SlotEngine:
             free = [i for i in range(self.slots) if owner[i] is None]
             if waiting and (len(free) >= refill_at or len(free) == self.slots):
                 t0 = time.perf_counter()
-                ended = list(self._admit(waiting, free, owner, temperature, top_p, max_tokens, stop_set, released))
+                self._admit(waiting, free, owner, temperature, top_p)
                 self.stats["admit_s"] += time.perf_counter() - t0
-                for r in ended:
-                    yield finish(r)
             busy = [i for i in range(self.slots) if owner[i] is not None]
             if busy and not waiting:
                 busy = self._compact(busy, owner)
@@ -443,10 +449,9 @@ class SlotEngine:
                 break
         self.stats["run_s"] += time.perf_counter() - t_run
 
-    def _admit(self, waiting, free, owner, temperature, top_p, max_tokens, stop_set, released
-               ) -> Iterator[Request]:
-        """Prefill waiting prompts into free rows (lowest first) under the token budget; yields
-        the requests that ended at their first token. `released` wraps the wait for the first tokens."""
+    def _admit(self, waiting, free, owner, temperature, top_p) -> None:
+        """Prefill waiting prompts into free rows (lowest first) under the token budget. Nothing
+        here waits on the device: each row's first token stays there until the next window."""
         rows = sorted(free)[:len(waiting)]
         admitted = [waiting.popleft() for _ in rows]
         start = 0
@@ -464,8 +469,8 @@ class SlotEngine:
             chunk, chunk_rows = admitted[start:end], rows[start:end]
             now = time.perf_counter()
             streams = torch.stack([uniforms(r.seed, self.max_len) for r in chunk])
-            dev_rows = torch.tensor(chunk_rows, device=self.device)
-            self.u[dev_rows] = streams.to(self.device)
+            dev_rows = self._up(chunk_rows)
+            self.u[dev_rows] = self._up(streams)
             which = [distinct[tuple(r.prompt)] for r in chunk]  # each row's distinct prompt
             first_row = {}
             for r, row, d in zip(chunk, chunk_rows, which):
@@ -474,28 +479,27 @@ class SlotEngine:
                                  [first_row[d][1] for d in range(len(distinct))])
             copies = [(first_row[d][1], row) for row, d in zip(chunk_rows, which) if row != first_row[d][1]]
             if copies:
-                src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
+                src, dst = (self._up(list(c)) for c in zip(*copies))
                 self.kv[:, :, dst, :width] = self.kv[:, :, src, :width]
-            logp = logp[torch.tensor(which, device=self.device)]
+            logp = logp[self._up(which)]
             first = choose(logp, self.u[dev_rows, 0], temperature, top_p)
             first_lp = logp.gather(-1, first[:, None]).squeeze(-1)
             self.tok[dev_rows] = first
             self.lp[dev_rows] = first_lp
-            self.pos[dev_rows] = torch.tensor([len(r.prompt) for r in chunk], device=self.device)
+            self.pos[dev_rows] = self._up([len(r.prompt) for r in chunk])
             self.count[dev_rows] = 1
-            with released():
-                first_toks, first_lps = first.tolist(), first_lp.tolist()
-            for r, row, tok, lp in zip(chunk, chunk_rows, first_toks, first_lps):
-                r.start, r.row = now, row
+            for r, row in zip(chunk, chunk_rows):
+                r.start, r.row, r.fresh = now, row, True
                 owner[row] = r
-                r.tokens.append(tok)
-                r.logprobs.append(lp)
-                if tok in stop_set:
-                    r.finish = "stop"
-                    yield r
-                elif max_tokens <= 1:
-                    yield r
             start = end
+
+    def _up(self, values) -> torch.Tensor:
+        """A list or CPU tensor onto the device without waiting for the work queued there (a plain
+        copy from pageable memory syncs the stream: each would stall the host a whole window)."""
+        t = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _compact(self, busy: list[int], owner) -> list[int]:
         """Move busy slots into the lowest rows when that lets a smaller bucket run."""
@@ -504,8 +508,7 @@ class SlotEngine:
             return busy
         movers = [r for r in busy if r >= target]
         holes = [r for r in range(target) if owner[r] is None][:len(movers)]
-        src = torch.tensor(movers, device=self.device)
-        dst = torch.tensor(holes, device=self.device)
+        src, dst = self._up(movers), self._up(holes)
         self.kv[:, :, dst] = self.kv[:, :, src]
         for t in (self.tok, self.lp, self.pos, self.count, self.u):
             t[dst] = t[src]
