@@ -487,7 +487,7 @@ class SlotEngine:
             self.tok[dev_rows] = first
             self.lp[dev_rows] = first_lp
             self.pos[dev_rows] = self._up([len(r.prompt) for r in chunk])
-            self.count[dev_rows] = 1
+            self.count.index_fill_(0, dev_rows, 1)  # a scalar: `count[rows] = 1` copies a CPU tensor up and syncs
             for r, row in zip(chunk, chunk_rows):
                 r.start, r.row, r.fresh = now, row, True
                 owner[row] = r
