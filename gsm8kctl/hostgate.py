@@ -7,7 +7,7 @@ replays, slice copies, an eager prefill's kernels), and the tape writer (grading
 is runnable for seconds at a time, so each call can cost milliseconds. On this CPU, 3000 small
 in-place torch ops took 15 ms alone and 18 s beside a thread encoding JSON
 (`scripts/bench_host_gate.py`); on the H200 a `sample` process's engine spent 14 of its 31 s on
-the host while the GPU sat idle (docs/benchmarks.md).
+the host while the GPU sat idle (ninth session, docs/benchmarks.md).
 
 So the sampling thread holds the gate shut (`held`) and opens it only around its blocking waits
 on the device (`released`); the helper calls `wait()` between small units of work. The helper
