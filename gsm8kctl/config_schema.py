@@ -164,6 +164,7 @@ class Transformers:
     static_cache: AutoBool
     dtype: Literal["auto", "float32", "bfloat16"]
     decode_attention: Literal["auto", "split_k", "flash", "sdpa"]
+    model_code: Literal["auto", "native", "hf"]
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,11 @@ RULES: tuple[Rule, ...] = (
                    "transformers and vllm); with backend openai list several servers in openai.base_url instead",
          commands=("loop",)),
     _inprocess_needs_one("finetune", "trains"),
+    # Our decoder runs no attention masks and no transformers cache: the slot engine's path only.
+    Rule(("transformers.model_code", "transformers.static_cache"),
+         lambda c: c["transformers"]["model_code"] != "native" or c["transformers"]["static_cache"] is not False,
+         lambda c: "transformers.model_code=native runs under the slot engine only, got "
+                   "transformers.static_cache=false (use true, or auto on CUDA)"),
     Rule(("max_agent_forks", "attempts"),
          lambda c: c["max_agent_forks"] >= c["attempts"],
          lambda c: f"need max_agent_forks >= attempts (a loop iteration samples max_agent_forks // attempts "

@@ -61,6 +61,8 @@ CASES = [
     Case("evaluate-max-tokens-option-0", [*EVALUATE, "--max-tokens", "0"],
          "option --max-tokens: evaluation.max_tokens must be >= 1"),
     Case("evaluate-eval-limit-0", [*EVALUATE, "eval_limit=0"], "eval_limit must be >= 1 or null, got 0"),
+    Case("sample-native-without-slots", [*SAMPLE, "transformers.model_code=native", "transformers.static_cache=false"],
+         "transformers.model_code=native runs under the slot engine only, got transformers.static_cache=false"),
     Case("evaluate-static-cache", [*EVALUATE, "transformers.static_cache=maybe"],
          "transformers.static_cache must be one of auto, true, false, got 'maybe'"),
     Case("evaluate-split-k-attention-on-cpu", [*EVALUATE, "--model", "{tiny}", "--backend", "transformers",

@@ -201,6 +201,7 @@ BAD = [
     ("transformers.static_cache=1", "transformers.static_cache", "one of auto, true, false, got 1"),
     ("transformers.dtype=fp16", "transformers.dtype", "one of auto, float32, bfloat16"),
     ("transformers.decode_attention=xformers", "transformers.decode_attention", "one of auto, split_k, flash, sdpa"),
+    ("transformers.model_code=vllm", "transformers.model_code", "one of auto, native, hf"),
     ("loop.engine=threads", "loop.engine", "one of auto, inprocess, processes"),
     ("sampling.num_processes=0", "sampling.num_processes", ">= 1"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb", ">= 1"),

@@ -24,10 +24,12 @@ batch never waits on its longest row, and the decode step always has the same sh
 - When the waiting queue is empty and few slots remain busy, busy slots move down to the lowest
   rows (one indexed copy of their cache rows) so a smaller bucket's graph runs.
 
-The model is the Hugging Face module itself: its attention calls `_slot_attention` (registered
-as an attention implementation), which reads and writes the slot cache; everything else (RoPE,
-MLP, norms) is the model's own code, so any decoder whose attention goes through the attention
-interface and whose logits are `lm_head(last hidden state)` works (Llama, Qwen2, Mistral, ...).
+The model is our Llama-family decoder (backends/llama.py, what `transformers.model_code: auto`
+picks for the architectures it runs) or the Hugging Face module itself. Either way its attention
+calls `_slot_attention` (registered as an attention implementation), which reads and writes the
+slot cache; everything else (RoPE, MLP, norms) is the model's own code, so any decoder whose
+attention goes through the attention interface and whose logits are `lm_head(last hidden state)`
+works.
 """
 
 from __future__ import annotations
@@ -143,7 +145,14 @@ def pick_attention(requested: str, device: torch.device, dtype: torch.dtype, hea
     return requested
 
 
-def _register() -> None:
+def _register(model) -> None:
+    """Make `_slot_attention` the model's attention under ATTN_NAME: in our decoder's table
+    (backends/llama.py), or in transformers' attention interface for a Hugging Face module."""
+    from gsm8kctl.backends import llama
+
+    if isinstance(model, llama.CausalLM):
+        llama.ATTENTION[ATTN_NAME] = _slot_attention
+        return
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, _slot_attention)
@@ -220,7 +229,7 @@ class SlotEngine:
     def __init__(self, model, *, slots: int, max_len: int, stop_ids: Sequence[int], pad_id: int,
                  prefill_token_budget: int = 8192, use_graphs: bool | None = None, window: int | None = None,
                  attention: str = "auto", overlap: bool | None = None):
-        _register()
+        _register(model)
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()

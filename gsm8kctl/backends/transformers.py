@@ -59,22 +59,36 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, model: str, cfg: dict, *, device: str | None = None, dtype: str = "auto"):
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # stderr is ours: progress of sampling, not of loading
         self.model = model
         self.device = device or pick_device()
         attention = cfg["transformers"]["decode_attention"]
         # Refused before the model loads; what the GPU itself cannot run, the engine refuses (slots.py).
         check_decode_attention(attention, self.device)
-        self.tokenizer = load_tokenizer(model)
-        self.text = completion_text(self.tokenizer)
+        # CUDA decode is launch-bound (67 ms per step for a 135M model with a dynamic cache): the
+        # slot engine (continuous batching, CUDA-graphed step) runs there. On the CPU the dynamic
+        # cache with finished rows dropped is faster (attention over each row's own length only).
+        static = cfg["transformers"]["static_cache"]
+        self.static_cache = (self.device == "cuda") if static == "auto" else bool(static)
+        self.native = self._use_native(cfg["transformers"]["model_code"])
         # bf16 logits depend on the batch a row shares (kernel blocking); float32 ones do not,
         # on the CPU: then a seed gives the same tokens whatever the batching (a resumed run).
         dtype = dtype if dtype != "auto" else cfg["transformers"]["dtype"]
-        self.model_obj = AutoModelForCausalLM.from_pretrained(model, dtype=pick_dtype(self.device, dtype))
-        self.model_obj.to(self.device).eval()
+        if self.native:
+            # Our decoder and the Rust tokenizer: no transformers import in this process (llama.py).
+            from gsm8kctl.backends import llama
+            from gsm8kctl.tokenizer import load_chat_tokenizer
+
+            self.tokenizer = load_chat_tokenizer(model)
+            self.model_obj = llama.load(model, device=self.device, dtype=pick_dtype(self.device, dtype))
+        else:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # stderr is ours: progress of sampling, not of loading
+            self.tokenizer = load_tokenizer(model)
+            self.model_obj = AutoModelForCausalLM.from_pretrained(model, dtype=pick_dtype(self.device, dtype))
+            self.model_obj.to(self.device).eval()
+        self.text = completion_text(self.tokenizer)
         s = cfg["sampling"]
         self.batch_size = s["batch_size"]
         self.max_slots, self.kv_fraction = s["max_slots"], s["kv_memory_fraction"]
@@ -83,13 +97,26 @@ class TransformersBackend:
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.context = getattr(self.model_obj.config, "max_position_embeddings", None)
-        # CUDA decode is launch-bound (67 ms per step for a 135M model with a dynamic cache): the
-        # slot engine (continuous batching, CUDA-graphed step) runs there. On the CPU the dynamic
-        # cache with finished rows dropped is faster (attention over each row's own length only).
-        static = cfg["transformers"]["static_cache"]
-        self.static_cache = (self.device == "cuda") if static == "auto" else bool(static)
         self.decode_attention = attention
         self._engine: SlotEngine | None = None
+
+    def _use_native(self, model_code: str) -> bool:
+        """Our decoder (backends/llama.py) runs under the slot engine only: the CPU's dynamic-cache
+        path and the shared-prompt scoring use transformers' cache and masks."""
+        if model_code == "hf":
+            return False
+        from gsm8kctl.backends import llama
+
+        reason = llama.unsupported(self.model, llama.read_config(self.model))
+        if model_code == "auto":
+            return self.static_cache and reason is None
+        if not self.static_cache:
+            raise UserError("transformers.model_code=native runs under the slot engine only: set "
+                            "transformers.static_cache=true (or auto, on CUDA)")
+        if reason:
+            raise UserError(f"{self.model}: transformers.model_code=native cannot run this model: {reason}; "
+                            "use auto or hf")
+        return True
 
     # ---------------------------------------------------------------- sampling
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -229,8 +256,8 @@ class TransformersBackend:
         unique, which = distinct_prompts(prompts)
         # On CUDA one causal pass per row wins even with 8 rows per prompt: the shared path's
         # masked second pass (no flash kernel) and repeated cache ran at half its speed on the
-        # H200 (docs/benchmarks.md); on the CPU sharing was 1.5x faster.
-        if self.device == "cuda" or len(unique) * 2 > len(prompts):
+        # H200 (docs/benchmarks.md); on the CPU sharing was 1.5x faster. Our decoder runs no masks.
+        if self.device == "cuda" or self.native or len(unique) * 2 > len(prompts):
             return self._score_rows(prompts, completions)
         return self._score_shared(unique, which, completions)
 
