@@ -83,10 +83,37 @@ def unsupported(path: str | Path, config: dict) -> str | None:
     return None
 
 
+def _empty(*shape: int) -> nn.Parameter:
+    """A parameter with no storage yet, filled by load(): no init function runs (torch.nn.init on
+    the meta device imports torch._dynamo, 0.9 s)."""
+    return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """`nn.Linear`'s forward without its random init."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = False):
+        super().__init__()
+        self.weight = _empty(n_out, n_in)
+        self.bias = _empty(n_out) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, n: int, dim: int):
+        super().__init__()
+        self.weight = _empty(n, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.weight = _empty(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,10 +129,10 @@ class Attention(nn.Module):
         self.config, self.layer_idx, self.head_dim = cfg, layer_idx, cfg.head_dim
         self.scaling = cfg.head_dim ** -0.5
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, heads * cfg.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.q_proj = Linear(cfg.hidden_size, heads * cfg.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask) -> torch.Tensor:
         shape = (*x.shape[:-1], -1, self.head_dim)
@@ -127,9 +154,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, cfg: SimpleNamespace):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -154,7 +181,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: SimpleNamespace, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, i, qkv_bias, o_bias) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.inv_freq: torch.Tensor | None = None  # set by load(), on the weights' device
@@ -177,12 +204,12 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Decoder(cfg, qkv_bias, o_bias)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def get_decoder(self) -> Decoder:
         return self.model
 
-    def get_output_embeddings(self) -> nn.Linear:
+    def get_output_embeddings(self) -> Linear:
         return self.lm_head
 
     def forward(self, input_ids, position_ids, attention_mask=None, logits_to_keep: int = 0, **_ignored):
@@ -225,8 +252,7 @@ def load(path: str | Path, *, device: str, dtype: torch.dtype) -> CausalLM:
     kind = config["model_type"]
     qkv_bias = kind == "qwen2" or bool(config.get("attention_bias"))
     o_bias = kind == "llama" and bool(config.get("attention_bias"))
-    with torch.device("meta"):
-        lm = CausalLM(cfg, qkv_bias, o_bias)
+    lm = CausalLM(cfg, qkv_bias, o_bias)
     state = _weights(path, device)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -235,7 +261,6 @@ def load(path: str | Path, *, device: str, dtype: torch.dtype) -> CausalLM:
     lm.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         lm.lm_head.weight = lm.model.embed_tokens.weight
-    lm.requires_grad_(False)
     theta, _ = _rope(config)
     dim = cfg.head_dim
     # As transformers computes it: on the CPU in float32, then moved.

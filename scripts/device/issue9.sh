@@ -31,11 +31,12 @@ case $part in
     for run in 1 2; do
       for gate in ${VARIANTS:-gate no-gate}; do
         flag=$(case $gate in no-gate) echo --no-gate;; no-overlap) echo --no-overlap;; esac)
+        code=$(case $gate in hf) echo transformers.model_code=hf;; esac)  # variant hf: transformers' module
         rm -rf "/tmp/prof-$gate-$run" "/tmp/prof-eval-$gate-$run"
         python3 scripts/profile_sample.py $flag --out "$OUT/profile-sample-$gate-$run.json" -- sample $common \
-          -o "/tmp/prof-$gate-$run/tapes.jsonl" --n-problems 1024 --attempts 8 --temperature 1.0 --max-tokens 512
+          -o "/tmp/prof-$gate-$run/tapes.jsonl" --n-problems 1024 --attempts 8 --temperature 1.0 --max-tokens 512 $code
         python3 scripts/profile_sample.py $flag --out "$OUT/profile-evaluate-$gate-$run.json" -- evaluate $common \
-          -o "/tmp/prof-eval-$gate-$run" --json
+          -o "/tmp/prof-eval-$gate-$run" --json $code
       done
     done
     ;;
