@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gsm8kctl.backends import fused
 from gsm8kctl.errors import UserError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -133,15 +134,25 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=qkv_bias)
         self.o_proj = Linear(heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        # Set by fuse(): q, k, v weights as one [q; k; v] matrix, whose rows the three views share.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask) -> torch.Tensor:
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
+        if self.qkv_weight is not None:  # one matmul, one RoPE kernel (fused.py)
+            cfg = self.config
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            q, k = fused.rope(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim)
+            v = qkv[..., (cfg.num_attention_heads + cfg.num_key_value_heads) * self.head_dim:].view(shape)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q = self.q_proj(x).view(shape).transpose(1, 2)
+            k = self.k_proj(x).view(shape).transpose(1, 2)
+            v = self.v_proj(x).view(shape).transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
         out, _ = ATTENTION[self.config._attn_implementation](self, q, k, v, attention_mask, scaling=self.scaling)
         return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
@@ -157,8 +168,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse(): [gate; up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            return self.down_proj(fused.silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -185,6 +199,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i, qkv_bias, o_bias) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.inv_freq: torch.Tensor | None = None  # set by load(), on the weights' device
+        self.fused = False  # set by fuse(): the residual adds and norms as fused kernels
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 **_ignored) -> SimpleNamespace:
@@ -192,9 +207,20 @@ class Decoder(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=h.device, dtype=torch.float)
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, attention_mask)
-        return SimpleNamespace(last_hidden_state=self.norm(h))
+        if not self.fused:
+            for layer in self.layers:
+                h = layer(h, cos, sin, attention_mask)
+            return SimpleNamespace(last_hidden_state=self.norm(h))
+        # The same sums, each residual add fused with the norm after it (that of the next layer
+        # or the final one): h = h + f(norm(h)) twice per layer.
+        eps = self.norm.eps
+        normed, h = fused.add_rmsnorm(h, None, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn(normed, cos, sin, attention_mask)
+            normed, h = fused.add_rmsnorm(attn, h, layer.post_attention_layernorm.weight, eps)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            normed, h = fused.add_rmsnorm(layer.mlp(normed), h, after.weight, eps)
+        return SimpleNamespace(last_hidden_state=normed)
 
 
 class CausalLM(nn.Module):
@@ -241,8 +267,31 @@ def _weights(path: Path, device: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load(path: str | Path, *, device: str, dtype: torch.dtype) -> CausalLM:
-    """The model of a checkpoint directory on `device` in `dtype`, in eval mode, no gradients."""
+def fuse(lm: CausalLM) -> None:
+    """Switch the forward to fused.py's kernels: q/k/v and gate/up become one matrix each, and
+    the per-projection parameters become row views of it (no second copy; `state_dict()` still
+    names and writes the same memory, so the loop's weight refresh reaches the fused matrices)."""
+    def concat(parts: list[nn.Module], attr: str) -> torch.Tensor:
+        whole = torch.cat([getattr(m, attr) for m in parts])
+        start = 0
+        for m in parts:
+            n = getattr(m, attr).shape[0]
+            setattr(m, attr, nn.Parameter(whole[start:start + n], requires_grad=False))
+            start += n
+        return whole
+
+    for layer in lm.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        a.qkv_weight = concat([a.q_proj, a.k_proj, a.v_proj], "weight")
+        if a.q_proj.bias is not None:
+            a.qkv_bias = concat([a.q_proj, a.k_proj, a.v_proj], "bias")
+        mlp.gate_up_weight = concat([mlp.gate_proj, mlp.up_proj], "weight")
+    lm.model.fused = True
+
+
+def load(path: str | Path, *, device: str, dtype: torch.dtype, fuse_kernels: bool | None = None) -> CausalLM:
+    """The model of a checkpoint directory on `device` in `dtype`, in eval mode, no gradients.
+    `fuse_kernels`: the forward through fused.py's kernels; None = where they run (CUDA, half precision)."""
     path = Path(path)
     config = read_config(path)
     reason = unsupported(path, config)
@@ -265,4 +314,6 @@ def load(path: str | Path, *, device: str, dtype: torch.dtype) -> CausalLM:
     dim = cfg.head_dim
     # As transformers computes it: on the CPU in float32, then moved.
     lm.model.inv_freq = (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).to(device)
+    if fuse_kernels if fuse_kernels is not None else fused.available(torch.device(device), dtype):
+        fuse(lm)
     return lm.eval()

@@ -271,9 +271,11 @@ class SlotEngine:
                         if self.attention == "split_k" else None)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # Where `run`'s time goes (wall seconds on the host): blocked at the window syncs (the GPU
-        # running behind), admitting (prefill and its sync), the rest (bookkeeping, the caller).
+        # running behind), admitting (of which `prefill_s` launching the prefill forwards), the
+        # rest (bookkeeping, the caller).
         self.stats = {"decode_steps": 0, "prefill_tokens": 0, "graph_captures": 0, "capture_s": 0.0,
-                      "slot_steps_busy": 0, "slot_steps_run": 0, "sync_s": 0.0, "admit_s": 0.0, "run_s": 0.0}
+                      "slot_steps_busy": 0, "slot_steps_run": 0, "sync_s": 0.0, "admit_s": 0.0, "run_s": 0.0,
+                      "admissions": 0, "prefill_s": 0.0}
 
     # ------------------------------------------------------------------ model calls
     @contextmanager
@@ -463,6 +465,7 @@ class SlotEngine:
         here waits on the device: each row's first token stays there until the next window."""
         rows = sorted(free)[:len(waiting)]
         admitted = [waiting.popleft() for _ in rows]
+        self.stats["admissions"] += 1
         start = 0
         while start < len(admitted):
             # The attempts of one problem share their prompt: it is prefilled once (into the first
@@ -484,8 +487,10 @@ class SlotEngine:
             first_row = {}
             for r, row, d in zip(chunk, chunk_rows, which):
                 first_row.setdefault(d, (r, row))
+            t_prefill = time.perf_counter()
             logp = self._prefill([first_row[d][0] for d in range(len(distinct))],
                                  [first_row[d][1] for d in range(len(distinct))])
+            self.stats["prefill_s"] += time.perf_counter() - t_prefill
             copies = [(first_row[d][1], row) for row, d in zip(chunk_rows, which) if row != first_row[d][1]]
             if copies:
                 src, dst = (self._up(list(c)) for c in zip(*copies))
