@@ -115,7 +115,7 @@ def main() -> None:
             rows.append({"until": name, "at_s": round(marks[name], 3), "phase_s": round(marks[name] - prev, 3)})
             prev = marks[name]
     run_s = engine_stats.get("run_s", 0.0)
-    split = {k: round(engine_stats.get(k, 0.0), 3) for k in ("sync_s", "admit_s", "capture_s")}
+    split = {k: round(engine_stats.get(k, 0.0), 3) for k in ("sync_s", "admit_s", "prefill_s", "capture_s")}
     split["rest_s"] = round(run_s - split["sync_s"] - split["admit_s"], 3)
     # Whether the process imported transformers (our decoder, backends/llama.py, needs none of it).
     result = {"argv": argv, "gate": not a.no_gate, "overlap": not a.no_overlap,

@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--tilings", default="256x64w4s2,128x64w4s2,512x64w4s3,256x128w4s2,256x32w2s2,128x32w2s3")
     ap.add_argument("--variants", default="split_k,flash,sdpa,no attention")
     ap.add_argument("--score-budgets", default="16384,65536,262144")
+    ap.add_argument("--models", default="hf",
+                    help="whose forward the steps run, in turn: hf (transformers' module), native (backends/llama.py, "
+                         "eager), fused (backends/llama.py with fused.py's kernels); same random weights")
     ap.add_argument("--out", default="profile_slot_step.json")
     a = ap.parse_args()
     cls, kw = SHAPES[a.shape]
@@ -104,41 +107,61 @@ def main() -> None:
     variants = []
     for v in a.variants.split(","):
         variants += [f"split_k {t}" for t, _ in tilings] if v == "split_k" else [v]
-    for slots in (int(s) for s in a.slots.split(",")):
-        for variant in variants:
-            attention = variant.split()[0] if variant != "no attention" else "sdpa"
-            engine = SlotEngine(model, slots=slots, max_len=a.max_len, stop_ids=[0], pad_id=0, attention=attention)
-            if variant.startswith("split_k"):
-                tiling = dict(tilings)[variant.split()[1]]
-                engine.split_k = DecodeAttention(slots, a.max_len, kv_heads, rep, dim, torch.bfloat16, "cuda",
-                                                 **tiling)
-            if variant == "no attention":
-                def nothing(module, query, key, value, *args, **kwargs):
-                    return query.transpose(1, 2).contiguous(), None
+    hf_model = model
+    models = {"hf": hf_model}
+    if set(a.models.split(",")) - {"hf"}:
+        import tempfile
 
-                AttentionInterface.register(slot_mod.ATTN_NAME, nothing)
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            engine.pos.copy_(torch.randint(175, a.max_len - 128, (slots,), device="cuda", generator=gen))
-            engine.tok.copy_(torch.randint(0, 40000, (slots,), device="cuda", generator=gen))
-            engine.u.uniform_(generator=gen)
-            saved_pos = engine.pos.clone()
+        from gsm8kctl.backends import llama
 
-            def step():
-                engine.pos.copy_(saved_pos)  # stay at the same lengths while timing
-                engine._run_step(slots, 1.0, 1.0)
+        saved = Path(tempfile.mkdtemp()) / "random"
+        hf_model.save_pretrained(saved)
+        for name in ("native", "fused"):
+            if name in a.models.split(","):
+                models[name] = llama.load(saved, device="cuda", dtype=torch.bfloat16, fuse_kernels=name == "fused")
+    runs = [(slots, m, variant) for slots in (int(s) for s in a.slots.split(",")) for m in a.models.split(",")
+            for variant in variants]
+    for i, (slots, model_name, variant) in enumerate(runs):
+        model = models[model_name]
+        attention = variant.split()[0] if variant != "no attention" else "sdpa"
+        engine = SlotEngine(model, slots=slots, max_len=a.max_len, stop_ids=[0], pad_id=0, attention=attention)
+        if variant.startswith("split_k"):
+            tiling = dict(tilings)[variant.split()[1]]
+            engine.split_k = DecodeAttention(slots, a.max_len, kv_heads, rep, dim, torch.bfloat16, "cuda",
+                                             **tiling)
+        if variant == "no attention":
+            def nothing(module, query, key, value, *args, **kwargs):
+                return query.transpose(1, 2).contiguous(), None
 
-            try:
-                ms = timed(step, a.steps)
-                rows.append({"slots": slots, "what": f"decode step, {variant}", "ms": round(ms, 3),
-                             "tokens_per_s": round(slots / ms * 1000)})
-            except (RuntimeError, ValueError) as e:  # a tiling that does not fit: recorded, and on to the next
-                rows.append({"slots": slots, "what": f"decode step, {variant}", "error": str(e)[:300]})
-            print(rows[-1], file=sys.stderr, flush=True)
-            AttentionInterface.register(slot_mod.ATTN_NAME, real_attention)
-            engine._graphs.clear()  # free this variant's graphs and cache before the next
-            engine.kv = engine.split_k = slot_mod._FWD.kv = None
-            del engine, step
-            torch.cuda.empty_cache()
+            AttentionInterface.register(slot_mod.ATTN_NAME, nothing)
+            if model_name != "hf":
+                llama.ATTENTION[slot_mod.ATTN_NAME] = nothing
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        engine.pos.copy_(torch.randint(175, a.max_len - 128, (slots,), device="cuda", generator=gen))
+        engine.tok.copy_(torch.randint(0, 40000, (slots,), device="cuda", generator=gen))
+        engine.u.uniform_(generator=gen)
+        saved_pos = engine.pos.clone()
+
+        def step():
+            engine.pos.copy_(saved_pos)  # stay at the same lengths while timing
+            engine._run_step(slots, 1.0, 1.0)
+
+        try:
+            ms = timed(step, a.steps)
+            rows.append({"slots": slots, "model": model_name, "what": f"decode step, {variant}", "ms": round(ms, 3),
+                         "tokens_per_s": round(slots / ms * 1000)})
+        except (RuntimeError, ValueError) as e:  # a tiling that does not fit: recorded, and on to the next
+            rows.append({"slots": slots, "model": model_name, "what": f"decode step, {variant}", "error": str(e)[:300]})
+        print(rows[-1], file=sys.stderr, flush=True)
+        AttentionInterface.register(slot_mod.ATTN_NAME, real_attention)
+        if model_name != "hf":
+            llama.ATTENTION[slot_mod.ATTN_NAME] = real_attention
+        engine._graphs.clear()  # free this variant's graphs and cache before the next
+        engine.kv = engine.split_k = slot_mod._FWD.kv = None
+        del engine, step
+        torch.cuda.empty_cache()
+        if i + 1 < len(runs) and runs[i + 1][0] == slots:
+            continue
         logits = torch.randn((slots, kw["vocab_size"]), device="cuda", dtype=torch.bfloat16)
         u = torch.rand(slots, device="cuda", dtype=torch.float64)
         for T, p in ((1.0, 1.0), (0.0, 1.0), (0.7, 0.95)):
@@ -149,6 +172,7 @@ def main() -> None:
     # rows under causal attention (no mask): the whole log-prob pass, and the decoder alone.
     from gsm8kctl.logprobs import token_logprobs
 
+    model = hf_model
     decoder = model.get_decoder()
     for budget in (int(b) for b in a.score_budgets.split(",")):
         rows_n = max(1, budget // 680)
