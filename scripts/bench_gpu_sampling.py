@@ -155,6 +155,8 @@ def part_score(a, work: Path, rows: list) -> None:
                                 (65536, chunk_default, "one pass per row"), (65536, chunk_default, "shared prompts"),
                                 (262144, chunk_default, "one pass per row"), (262144, chunk_default, "shared prompts"),
                                 (262144, 8192, "one pass per row")):
+        if path == "shared prompts" and backend.native:
+            continue  # its masked second pass needs transformers' module (transformers.model_code=hf)
         backend.score_token_budget = budget
         logprobs.token_logprobs.__kwdefaults__["chunk_tokens"] = chunk
         walls = []

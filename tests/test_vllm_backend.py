@@ -182,7 +182,10 @@ def test_score_matches_sampler_and_is_chunked(backend, prompts):
         backend.score_token_budget = budget
     assert [len(s) for s in big] == [len(c) for c in cs]
     diffs = [abs(x - y) for s, t in zip(big, small) for x, y in zip(s, t)]
-    assert max(diffs) < 0.2  # bf16 numerics can depend on the batch composition
+    # bf16 numerics depend on the batch composition, and vLLM's CPU scheduler decides it by timing:
+    # the same code passed under 0.2 and gave 0.2008 from run to run. The yardstick below (bf16 vs fp32 on the
+    # same tokens) is max 0.26 nats; a real bug is off by nats.
+    assert max(diffs) < 0.3
     diffs = [abs(x - y) for s, t in zip(big, sampler) for x, y in zip(s, t)]
     assert max(diffs) < 0.5 and sum(diffs) / len(diffs) < 0.05
     assert backend.score([prompts[0]], [[]]) == [[]]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9's measurements on the lent H200, one part per `run` call (after `source scripts/device/prepare.sh`):
 #   bash scripts/device/issue9.sh kernel   # split-K kernel vs flash, step profile, random-init shapes (no weights)
+#   bash scripts/device/issue9.sh step     # one decode step: transformers' module, our decoder, fused kernels
 #   bash scripts/device/issue9.sh score    # score() against sampling (random init, no weights), and where imports go
 #   bash scripts/device/issue9.sh cli      # the real SmolLM2 ($SMOLLM2, both GGUF parts carried): sample/evaluate
 #   bash scripts/device/issue9.sh profile  # the real SmolLM2: one sample and one evaluate process, phase by phase, twice
@@ -13,6 +14,10 @@ case $part in
   kernel)
     python3 scripts/profile_slot_step.py --shape 135m --slots 1024,2048,4096 --out "$OUT/profile-135m.json"
     python3 scripts/bench_gpu_sampling.py --parts shapes --tokenizer .devdata/tok --out "$OUT/shapes.json" ${EXTRA:-}
+    ;;
+  step)  # one decode step on transformers' module, our decoder, and our decoder with fused kernels
+    python3 scripts/profile_slot_step.py --shape 135m --slots ${SLOTS:-1024,2048} --models hf,native,fused \
+      --variants "split_k,no attention" --tilings 512x64w4s3 --score-budgets 65536 --out "$OUT/step.json"
     ;;
   score)
     python3 scripts/bench_gpu_sampling.py --parts score --tokenizer .devdata/tok --out "$OUT/score.json" ${EXTRA:-}
