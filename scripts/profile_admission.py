@@ -99,7 +99,7 @@ def main() -> None:
     prompts = gsm8k_like_prompts(a.problems)
     results = {}
     for run in ("warm-up", "measured"):
-        engine = slots.SlotEngine(model, slots=a.slots, max_len=768, stop_ids=range(200), pad_id=0)
+        engine = slots.SlotEngine(model, slots=a.slots, max_len=896, stop_ids=range(200), pad_id=0)
         host.clear()
         calls.clear()
         syncs.clear()
