@@ -340,6 +340,23 @@ def test_inprocess_engine_writes_what_processes_write(tiny_model_dir, reference_
     assert conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0] == calls
 
 
+def test_inprocess_engine_on_our_decoder_samples_what_processes_sample(tiny_model_dir, tmp_path):
+    """Under the slot engine the sampler is our decoder (backends/llama.py). In process it takes
+    the trainer's weights by `state_dict()` name; the evaluation after training must be token for
+    token what a fresh process loading the checkpoint samples."""
+    tapes = {}
+    for engine in ("processes", "inprocess"):
+        run = tmp_path / engine
+        proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN,
+                       "transformers.static_cache=true", f"loop.engine={engine}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        key = lambda t: (t["problem_id"], t["attempt"], t["completion_token_ids"], t["logprobs"])  # noqa: E731
+        tapes[engine] = {sub: sorted(key(t) for t in read_jsonl(run / sub / "tapes.jsonl"))
+                         for sub in ("iterations/0000", "eval/0000", "eval/0001")}
+    assert tapes["inprocess"] == tapes["processes"]
+    assert all(len(v) for v in tapes["inprocess"].values())
+
+
 def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny_model_dir, reference_run,
                                                                             tmp_path):
     """No child to wait for: the kill points watch state.json closely (in-process phases are short).
