@@ -15,7 +15,7 @@ import torch
 
 from gsm8kctl.backends import llama
 from gsm8kctl.backends.base import SamplingParams
-from gsm8kctl.backends.transformers import TransformersBackend
+from gsm8kctl.backends.transformers import TransformersBackend, use_native
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import UserError
 from tests.conftest import run_cli
@@ -110,6 +110,10 @@ def test_what_it_cannot_run_goes_to_transformers_or_is_refused(tiny_model_dir, t
     config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
     (path / "config.json").write_text(json.dumps(config))
+    # auto: our decoder on CUDA under the slot engine where it runs the model; else transformers'.
+    assert use_native("auto", device="cuda", static_cache=True, model="m", unsupported=None)
+    for device, static, reason in (("cuda", True, "RoPE type 'llama3'"), ("cuda", False, None), ("cpu", True, None)):
+        assert not use_native("auto", device=device, static_cache=static, model="m", unsupported=reason)
     auto = TransformersBackend(str(path), load_config(None, ["transformers.static_cache=true"]), dtype="float32")
     assert not auto.native and not isinstance(auto.model_obj, llama.CausalLM)
     with pytest.raises(UserError, match="model_code=native cannot run this model: RoPE type 'llama3'"):
@@ -125,6 +129,7 @@ def test_a_sample_process_on_our_decoder_imports_no_transformers(tiny_model_dir,
     out = tmp_path / "t.jsonl"
     proc = run_cli("sample", "--model", tiny_model_dir, "--backend", "transformers", "-o", str(out),
                    "--max-tokens", "6", "--n-problems", "2", "--attempts", "2", "transformers.static_cache=true",
+                   "transformers.model_code=native",
                    env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(out.read_text().splitlines()) == 4

@@ -348,7 +348,7 @@ def test_inprocess_engine_on_our_decoder_samples_what_processes_sample(tiny_mode
     for engine in ("processes", "inprocess"):
         run = tmp_path / engine
         proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *TINY_RUN,
-                       "transformers.static_cache=true", f"loop.engine={engine}")
+                       "transformers.static_cache=true", "transformers.model_code=native", f"loop.engine={engine}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         key = lambda t: (t["problem_id"], t["attempt"], t["completion_token_ids"], t["logprobs"])  # noqa: E731
         tapes[engine] = {sub: sorted(key(t) for t in read_jsonl(run / sub / "tapes.jsonl"))

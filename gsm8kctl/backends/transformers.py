@@ -55,6 +55,26 @@ def left_padded(prompts: Sequence[list[int]], pad_id: int, device) -> tuple[torc
     return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
 
+def use_native(model_code: str, *, device: str, static_cache: bool, model: str, unsupported: str | None) -> bool:
+    """Whether our decoder (backends/llama.py) runs the model rather than transformers' module.
+
+    `auto`: on CUDA under the slot engine, where it can run the checkpoint (its fused kernels and
+    no transformers import were measured there). Not on the CPU: the shared-prompt `score()` path,
+    1.5x faster there, needs transformers' cache and masks. `native` refuses what it cannot run,
+    and the CPU's dynamic-cache path, which needs transformers' module."""
+    if model_code == "hf":
+        return False
+    if model_code == "auto":
+        return device == "cuda" and static_cache and unsupported is None
+    if not static_cache:
+        raise UserError("transformers.model_code=native runs under the slot engine only: set "
+                        "transformers.static_cache=true (or auto, on CUDA)")
+    if unsupported:
+        raise UserError(f"{model}: transformers.model_code=native cannot run this model: {unsupported}; "
+                        "use auto or hf")
+    return True
+
+
 class TransformersBackend:
     name = "transformers"
 
@@ -101,22 +121,11 @@ class TransformersBackend:
         self._engine: SlotEngine | None = None
 
     def _use_native(self, model_code: str) -> bool:
-        """Our decoder (backends/llama.py) runs under the slot engine only: the CPU's dynamic-cache
-        path and the shared-prompt scoring use transformers' cache and masks."""
-        if model_code == "hf":
-            return False
         from gsm8kctl.backends import llama
 
-        reason = llama.unsupported(self.model, llama.read_config(self.model))
-        if model_code == "auto":
-            return self.static_cache and reason is None
-        if not self.static_cache:
-            raise UserError("transformers.model_code=native runs under the slot engine only: set "
-                            "transformers.static_cache=true (or auto, on CUDA)")
-        if reason:
-            raise UserError(f"{self.model}: transformers.model_code=native cannot run this model: {reason}; "
-                            "use auto or hf")
-        return True
+        reason = None if model_code == "hf" else llama.unsupported(self.model, llama.read_config(self.model))
+        return use_native(model_code, device=self.device, static_cache=self.static_cache, model=self.model,
+                          unsupported=reason)
 
     # ---------------------------------------------------------------- sampling
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Completion]]:
