@@ -136,3 +136,17 @@ def test_a_sample_process_on_our_decoder_imports_no_transformers(tiny_model_dir,
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" in imported and "tokenizers" in imported  # the profile is real
     assert not {m for m in imported if m.split(".")[0] == "transformers"}
+
+
+def test_native_on_a_model_it_cannot_run_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path):
+    path = tmp_path / "gelu"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    out = tmp_path / "run" / "t.jsonl"
+    proc = run_cli("sample", "--model", str(path), "--backend", "transformers", "-o", str(out), "--max-tokens", "4",
+                   "--n-problems", "1", "transformers.static_cache=true", "transformers.model_code=native")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"Error: {path}: transformers.model_code=native cannot run this model: "
+                                   "hidden_act 'gelu'; use auto or hf")
+    assert not out.parent.exists()

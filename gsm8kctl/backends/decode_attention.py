@@ -38,11 +38,9 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the split-K kernel runs here: CUDA in half precision (or the interpreter), and a
-    power-of-two head size of at least 16 (the dot's smallest tile)."""
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        return False
+def triton_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Triton kernels in `dtype` run on `device`: CUDA in half precision with Triton
+    importable (or the interpreter, on the CPU). Shared with fused.py."""
     if interpreted():
         return True
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
@@ -55,6 +53,14 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     except ImportError:
         return False
     return True
+
+
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the split-K kernel runs here: Triton in half precision (`triton_runs`), and a
+    power-of-two head size of at least 16 (the dot's smallest tile)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    return triton_runs(device, dtype)
 
 
 def _build():

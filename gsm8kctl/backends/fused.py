@@ -22,22 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from gsm8kctl.backends.decode_attention import interpreted
+from gsm8kctl.backends.decode_attention import triton_runs
 
 _kernels = None
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """CUDA in half precision with Triton, or the interpreter (tests)."""
-    if interpreted():
-        return True
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_runs(device, dtype)
 
 
 def _build():

@@ -25,7 +25,7 @@ batch never waits on its longest row, and the decode step always has the same sh
   rows (one indexed copy of their cache rows) so a smaller bucket's graph runs.
 
 The model is our Llama-family decoder (backends/llama.py, what `transformers.model_code: auto`
-picks for the architectures it runs) or the Hugging Face module itself. Either way its attention
+picks on CUDA for the architectures it runs) or the Hugging Face module itself. Either way its attention
 calls `_slot_attention` (registered as an attention implementation), which reads and writes the
 slot cache; everything else (RoPE, MLP, norms) is the model's own code, so any decoder whose
 attention goes through the attention interface and whose logits are `lm_head(last hidden state)`
