@@ -1,10 +1,11 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, loaded from its safetensors.
 
-Why: on the H200 image a new `sample` process spent 5.3-8.1 s (measured before this module) importing transformers' model
-code (which brings torch._dynamo, torch.distributed.tensor, sympy and torchvision) and 1.5-2.2 s
-in `from_pretrained`, for a 135M model whose weights load in a fraction of a second. The slot
-engine (slots.py) needs only a decoder forward, so on CUDA this module stands in for the
-Hugging Face module there (`transformers.model_code: auto`; `native` runs it on the CPU too).
+Why: on the H200 image a new `sample` process spent 5.3-8.1 s (measured before this module)
+importing transformers' model code (which brings torch._dynamo, torch.distributed.tensor, sympy
+and torchvision) and 1.5-2.2 s in `from_pretrained`, for a 135M model whose weights load in a
+fraction of a second. The slot engine (slots.py) needs only a decoder forward, so on CUDA this
+module stands in for the Hugging Face module there (`transformers.model_code: auto`; `native`
+runs it on the CPU too).
 
 The forward is transformers' `modeling_llama` op for op, in the same order and dtypes (RMSNorm
 in float32, RoPE tables cast to the activations' dtype, q/k/v/o, SiLU-gated MLP), so a float32
