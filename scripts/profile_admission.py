@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--attempts", type=int, default=8)
     ap.add_argument("--slots", type=int, default=2368)
     ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--sdpa", choices=["ours", "default"], default="ours",
+                    help="default: torch chooses SDPA's backend (cuDNN included), as before slots.SDPA_BACKENDS")
     ap.add_argument("--out", default="admission.json")
     a = ap.parse_args()
 
@@ -42,6 +44,8 @@ def main() -> None:
     from gsm8kctl.backends import fused, llama, slots
     from gsm8kctl.backends import sampling as sampling_mod
 
+    if a.sdpa == "default":
+        slots.SDPA_BACKENDS = None
     path = random_model("135m", a.tokenizer, Path(tempfile.mkdtemp()) / "m")
     model = llama.load(path, device="cuda", dtype=torch.bfloat16)
     host = defaultdict(float)
@@ -118,6 +122,7 @@ def main() -> None:
         print(json.dumps(results[run], indent=1), flush=True)
         del engine
         torch.cuda.empty_cache()
+    results["sdpa"] = a.sdpa
     Path(a.out).write_text(json.dumps(results, indent=1))
 
 

@@ -14,7 +14,8 @@ draining after the last completion, and close. Prints a table and writes JSON.
 `--no-gate` runs the same command with the host gate (gsm8kctl/hostgate.py) never shut: the
 writer thread free-running beside the sampler, as it was before the gate. `--no-overlap` runs
 the slot engine's windows one after the other (the host reads each window's tokens before it
-launches the next), as before overlapped windows.
+launches the next), as before overlapped windows. `--sdpa-default` lets torch choose SDPA's
+backend for the prefill and scoring forwards (cuDNN included), as before `slots.SDPA_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main() -> None:
                     help="the host gate never shuts (the writer thread runs free, as before hostgate.py)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the slot engine launches a window only after reading the last one's tokens")
+    ap.add_argument("--sdpa-default", action="store_true",
+                    help="torch chooses SDPA's backend (cuDNN included), as before slots.SDPA_BACKENDS")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the gsm8kctl command line")
     a = ap.parse_args()
     argv = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -60,6 +63,10 @@ def main() -> None:
         from gsm8kctl.backends import slots
 
         slots.SlotEngine.__init__ = functools.partialmethod(slots.SlotEngine.__init__, overlap=False)
+    if a.sdpa_default:
+        from gsm8kctl.backends import slots
+
+        slots.SDPA_BACKENDS = None
     from gsm8kctl import attempts
 
     engine_stats: dict = {}
@@ -119,6 +126,7 @@ def main() -> None:
     split["rest_s"] = round(run_s - split["sync_s"] - split["admit_s"], 3)
     # Whether the process imported transformers (our decoder, backends/llama.py, needs none of it).
     result = {"argv": argv, "gate": not a.no_gate, "overlap": not a.no_overlap,
+              "sdpa_default": a.sdpa_default,
               "transformers_imported": "transformers" in sys.modules, "phases": rows, "engine": engine_stats, "engine_run_split": split,
               "stdout_tail": stdout.getvalue()[-2000:]}
     with open(a.out, "w") as f:

@@ -193,3 +193,17 @@ def test_choose_follows_the_distribution():
     assert set(choose(logp, u, 0.0, 1.0).tolist()) == {0}
     assert 4 not in set(choose(logp, torch.zeros(4000, dtype=torch.float64), 1.0, 1.0).tolist())
     assert torch.equal(uniforms(7, 10), u[:10])  # a stream is a prefix-stable function of its seed
+
+
+def test_sdpa_backends_leave_cudnn_out_on_cuda_only():
+    """Prefill and scoring forwards run SDPA without cuDNN on CUDA (its plan per new shape cost
+    seconds per process on the H200), and the flags come back afterwards."""
+    from gsm8kctl.backends import slots
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    with slots.sdpa_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    with slots.sdpa_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]

@@ -51,6 +51,10 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.hostgate import HostGate
 
 ATTN_NAME = "gsm8kctl_slots"
+# SDPA's backends on CUDA, cuDNN left out: on an H200 it builds an execution plan for every new
+# shape, and prefill and scoring shapes vary with every batch (docs/benchmarks.md). None lets
+# torch choose (the benchmark scripts' "before").
+SDPA_BACKENDS: list[str] | None = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
 # Bytes of float32 work per slot and vocabulary entry in a decode step: log-softmax, probs,
 # cdf (and the sort's copies when top_p < 1).
 _LOGIT_BYTES_PER_VOCAB = 4 * 6
@@ -72,6 +76,14 @@ class _Forward:
 
 
 _FWD = _Forward()
+
+
+def sdpa_backends(device: torch.device):
+    """Context: `SDPA_BACKENDS` for SDPA calls on CUDA (a no-op elsewhere)."""
+    if device.type != "cuda" or SDPA_BACKENDS is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, name) for name in SDPA_BACKENDS])
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -286,7 +298,8 @@ class SlotEngine:
         _FWD.kv, _FWD.mask, _FWD.flash, _FWD.split_k = self.kv, self.mask, self.flash, self.split_k
         _FWD.cu_q, _FWD.cu_k = self.cu_q, self.cu_k
         try:
-            yield
+            with sdpa_backends(self.device):
+                yield
         finally:
             self.model.config._attn_implementation = saved
             _FWD.prefill_rows = None

@@ -18,7 +18,7 @@ import torch
 
 from gsm8kctl.backends.base import Completion, SamplingParams, check_decode_attention, completion_seeds
 from gsm8kctl.backends.sampling import choose, uniforms
-from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots
+from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots, sdpa_backends
 from gsm8kctl.errors import UserError
 from gsm8kctl.hostgate import HostGate
 from gsm8kctl.logprobs import chosen_logprobs, pad_batch, token_budget_batches, token_logprobs
@@ -281,7 +281,8 @@ class TransformersBackend:
             # Rows are right-padded and attention is causal, so real tokens never see the pads:
             # no padding mask, and SDPA runs its flash kernel (a mask forces a slower one).
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            lp, _ = token_logprobs(self.model_obj, ids, None, mask, position_ids=positions)
+            with sdpa_backends(ids.device):
+                lp, _ = token_logprobs(self.model_obj, ids, None, mask, position_ids=positions)
             # One copy and one list per chunk, cut into rows: row-major, as the mask lays them out.
             # numpy's boolean index: torch's on the CPU took 5 ms per 16k-token chunk.
             values = lp.cpu().numpy()[mask.cpu().numpy()].tolist()

@@ -4,6 +4,7 @@
 #   bash scripts/device/issue9.sh step     # one decode step: transformers' module, our decoder, fused kernels
 #   bash scripts/device/issue9.sh score    # score() against sampling (random init, no weights), and where imports go
 #   bash scripts/device/issue9.sh cli      # the real SmolLM2 ($SMOLLM2, both GGUF parts carried): sample/evaluate
+#   bash scripts/device/issue9.sh sdpa     # SDPA's first call of a new shape by backend set; admissions with each (no weights)
 #   bash scripts/device/issue9.sh profile  # the real SmolLM2: one sample and one evaluate process, phase by phase, twice
 # JSON goes to $OUT (the device tool brings it back); copy it to docs/bench/ by hand.
 set -u
@@ -18,6 +19,17 @@ case $part in
   step)  # one decode step on transformers' module, our decoder, and our decoder with fused kernels
     python3 scripts/profile_slot_step.py --shape 135m --slots ${SLOTS:-1024,2048} --models hf,native,fused \
       --variants "split_k,no attention" --tilings 512x64w4s3 --score-budgets 65536 --out "$OUT/step.json"
+    ;;
+  sdpa)  # each set in fresh processes, alternating: first calls of new shapes, then a whole engine run's admissions
+    for run in 1 2; do
+      for set in default no-cudnn; do
+        python3 scripts/profile_sdpa_shapes.py --backends $set --out "$OUT/sdpa-$set-$run.json"
+      done
+    done
+    for sdpa in default ours; do
+      python3 scripts/profile_admission.py --tokenizer .devdata/tok --sdpa $sdpa --out "$OUT/admission-$sdpa.json" \
+        | grep -E '"(wall_s|admit_s|prefill_s|F.scaled_dot_product_attention|fused add_rmsnorm)"'
+    done
     ;;
   score)
     python3 scripts/bench_gpu_sampling.py --parts score --tokenizer .devdata/tok --out "$OUT/score.json" ${EXTRA:-}
@@ -35,7 +47,7 @@ case $part in
     common="--model $SMOLLM2 --backend transformers -q ${EXTRA:-}"
     for run in 1 2; do
       for gate in ${VARIANTS:-gate no-gate}; do
-        flag=$(case $gate in no-gate) echo --no-gate;; no-overlap) echo --no-overlap;; esac)
+        flag=$(case $gate in no-gate) echo --no-gate;; no-overlap) echo --no-overlap;; sdpa-default) echo --sdpa-default;; esac)
         code=$(case $gate in hf) echo transformers.model_code=hf;; esac)  # variant hf: transformers' module
         rm -rf "/tmp/prof-$gate-$run" "/tmp/prof-eval-$gate-$run"
         python3 scripts/profile_sample.py $flag --out "$OUT/profile-sample-$gate-$run.json" -- sample $common \
