@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -50,3 +51,21 @@ def test_failed_atomic_write_keeps_old_file(tmp_path):
         write_jsonl(p, boom())
     assert list(read_jsonl(p)) == [{"old": True}]
     assert [x.name for x in tmp_path.iterdir()] == ["o.jsonl"]
+
+
+@pytest.mark.parametrize("value, key", [("NaN", "reward"), ("-Infinity", "reward"), ("1e999", "reward"),
+                                        ("1E+400", "reward"), ("1" * 310 + ".5", "reward"),
+                                        ("[0.5, " + "9" * 320 + "e0]", "reward[1]")])
+def test_non_finite_numbers_are_refused_with_their_key(tmp_path, value, key):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": 1, "reward": 0.5}\n{"id": 2, "reward": %s}\n' % value)
+    with pytest.raises(UserError, match=rf"t.jsonl:2: {re.escape(key)} is not a finite number"):
+        list(read_jsonl(path))
+
+
+def test_large_but_finite_numbers_are_read():
+    """Near the bounds of the cheap pre-check: a 300-digit integer, 1e308, 299 digits then a point."""
+    from gsm8kctl.jsonl import loads_strict
+
+    assert loads_strict('{"a": %s}' % ("7" * 300), "x")["a"] == int("7" * 300)
+    assert loads_strict('{"a": 1e308, "b": %s.5}' % ("1" * 299), "x")["a"] == 1e308

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import MAYBE_NONFINITE, loads_strict
+from gsm8kctl.jsonl import loads_strict, maybe_nonfinite
 from gsm8kctl.rundir import EVAL_DIR, ITERATIONS_DIR
 from gsm8kctl.tapes import TAPES_FILE, outcome
 
@@ -57,7 +57,6 @@ _HEAD_CUTS = (b',"prompt_token_ids":', b', "prompt_token_ids": ')
 _COMPLETION_KEY = b'"completion_token_ids":'
 _HEAD_NEEDS = ("id", "steps", "finish_reason")
 _ITER_DIR_RE = re.compile(r"^\d+$")
-_NONFINITE_HINT = re.compile(MAYBE_NONFINITE.pattern.encode())
 
 
 @dataclass(frozen=True)
@@ -328,7 +327,7 @@ class TapeIndex:
                     continue
                 # A line that may hold NaN/Infinity is parsed whole, so that it is refused wherever
                 # the value is (the head parse would not see a NaN among the logprobs).
-                parsed = None if _NONFINITE_HINT.search(line) else _parse_head(line)
+                parsed = None if maybe_nonfinite(line) else _parse_head(line)
                 if parsed is not None:
                     tape, n_tokens = parsed
                 else:

@@ -1,0 +1,58 @@
+"""What refusing non-finite numbers costs `read_jsonl`, against the JSON parse itself (CPU).
+
+Every JSONL read (tapes, samples, calls) parses each line and checks it for NaN, Infinity and
+numbers beyond float range (jsonl.py). This writes tape-like lines (text, 150 token ids and
+log-probs each), then times per line, median of `--repeats`: the parse alone, the check as one
+regex (before), and `maybe_nonfinite` (now). Prints a table and writes JSON.
+
+    python scripts/bench_jsonl.py --lines 4096 --out bench-jsonl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lines", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench-jsonl.json")
+    a = ap.parse_args()
+
+    from gsm8kctl.jsonl import maybe_nonfinite
+
+    one_regex = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{300}")  # the check before
+    rng = random.Random(0)
+    lines = [json.dumps({"id": f"tape-{i}", "prompt": "Janet's ducks lay 16 eggs per day. " * 8,
+                         "completion": "She eats 3 for breakfast and bakes 4 into muffins. " * 10,
+                         "completion_token_ids": [rng.randrange(49152) for _ in range(150)],
+                         "logprobs": [-rng.expovariate(3.0) for _ in range(150)], "reward": 1.0})
+             for i in range(a.lines)]
+    ways = {"json.loads": json.loads, "one regex (before)": one_regex.search, "maybe_nonfinite (now)": maybe_nonfinite}
+    per_line_us = {}
+    for name, fn in ways.items():
+        runs = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            for line in lines:
+                fn(line)
+            runs.append((time.perf_counter() - t0) / len(lines) * 1e6)
+        per_line_us[name] = statistics.median(runs)
+    parse = per_line_us["json.loads"]
+    print(f"{a.lines} lines of {statistics.mean(map(len, lines)):.0f} characters")
+    print("| per line | µs (median of %d) | × the parse |" % a.repeats)
+    print("|---|---|---|")
+    for name, us in per_line_us.items():
+        print(f"| {name} | {us:.1f} | {us / parse:.2f} |")
+    with open(a.out, "w") as f:
+        json.dump({"lines": a.lines, "per_line_us": per_line_us}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
