@@ -36,6 +36,7 @@ def resolve_model(name: str) -> str:
             p = latest_checkpoint(p) or p
         if not (p / "config.json").exists():
             raise UserError(f"{p}: not a Hugging Face model directory (no config.json)")
+        check_model_dir(p)
         return str(p.resolve())
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise UserError(f"unknown model '{name}': not a directory, not a hub id (org/name), "
@@ -45,6 +46,125 @@ def resolve_model(name: str) -> str:
         raise UserError(f"unknown model '{name}': not a directory and not in the Hugging Face cache, "
                         "and HF_HUB_OFFLINE is set (download it online first, or pass a local directory)")
     return name  # hub id; transformers/vLLM download it when online
+
+
+# Sizes in config.json that every loader reads first: a string or zero there fails deep in a load.
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")
+_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "generation_config.json", "special_tokens_map.json",
+               "model.safetensors.index.json")
+
+
+def check_model_dir(path: Path) -> None:
+    """Refuse a local model directory whose files would fail deep inside a load (transformers,
+    vLLM, our decoder): JSON that does not parse, a size in config.json that is not a positive
+    integer, a chat template that does not compile, no tokenizer files, no weights, a shard the
+    index names missing, a safetensors file cut short or not one. One
+    line naming the file and line or key; nothing is loaded (headers and JSON only). A directory
+    already checked with the same files (names, sizes, mtimes) is not read again: the loop
+    resolves its checkpoints at every phase, and tokenizer.json alone is ~30 ms of parsing."""
+    key = (str(path.resolve()), tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in path.iterdir()
+                                             if f.is_file() and (st := f.stat()))))
+    if key in _CHECKED:
+        return
+    _check_model_files(path)
+    _CHECKED.add(key)
+
+
+_CHECKED: set = set()
+
+
+def _check_model_files(path: Path) -> None:
+    config = _json_object(path / "config.json")
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise UserError(f"{path / 'config.json'}: {key} must be a positive integer, got {value!r}")
+    parsed = {name: _json_object(path / name) for name in _JSON_FILES if (path / name).is_file()}
+    templates = []
+    if (path / "chat_template.jinja").is_file():
+        templates.append((path / "chat_template.jinja", (path / "chat_template.jinja").read_text(encoding="utf-8")))
+    listed = parsed.get("tokenizer_config.json", {}).get("chat_template")
+    for entry in listed if isinstance(listed, list) else [listed]:
+        text = entry.get("template") if isinstance(entry, dict) else entry
+        if isinstance(text, str):
+            templates.append((path / "tokenizer_config.json", text))
+    for where, text in templates:
+        _check_template(where, text)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        raise UserError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...)")
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("pytorch_model*.bin"))
+    if not weights:
+        raise UserError(f"{path}: no weights (*.safetensors or pytorch_model*.bin)")
+    index = parsed.get("model.safetensors.index.json")
+    if index is not None:
+        shards = index.get("weight_map")
+        if not isinstance(shards, dict):
+            raise UserError(f"{path / 'model.safetensors.index.json'}: weight_map must be an object of tensor -> file")
+        for shard in sorted(set(map(str, shards.values()))):
+            if not (path / shard).is_file():
+                raise UserError(f"{path / 'model.safetensors.index.json'}: shard {shard} is missing from {path}")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            _check_safetensors(file)
+
+
+def _json_object(path: Path) -> dict:
+    import json
+
+    try:
+        value = json.loads(path.read_bytes())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: invalid JSON at column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text JSON file (invalid UTF-8)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_template(where: Path, text: str) -> None:
+    import jinja2
+
+    from gsm8kctl.tokenizer import compile_template
+
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as exc:
+        line = f" (line {exc.lineno} of the template)" if where.name != "chat_template.jinja" else ""
+        at = f"{where}:{exc.lineno}" if where.name == "chat_template.jinja" else str(where)
+        raise UserError(f"{at}: the chat template does not compile{line}: {exc.message}") from None
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header: 8 bytes of little-endian length, that much JSON, every tensor inside the file."""
+    import json
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length <= 0 or 8 + length > size:
+            raise UserError(f"{path}: not a safetensors file, or cut short ({size} bytes)")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise UserError(f"{path}: tensor {name!r} has no valid data_offsets in the header")
+        if offsets[1] > data:
+            raise UserError(f"{path}: cut short: tensor {name!r} ends at byte {offsets[1]} of {data} of data")
 
 
 def _hub_offline() -> bool:

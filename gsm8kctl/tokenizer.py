@@ -40,7 +40,8 @@ def chat_template_of(path: Path, config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _compile(template: str):
+def compile_template(template: str):
+    """The chat template as transformers compiles it (sandboxed, its extensions and helpers)."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -86,7 +87,7 @@ class ChatTokenizer:
         self.unk_token = special.get("unk_token")
         # As load_tokenizer does with transformers' tokenizer: no pad token means eos.
         self.pad_token = special.get("pad_token") or self.eos_token
-        self._template = _compile(template)
+        self._template = compile_template(template)
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         found = self._tokenizer.token_to_id(token)

@@ -380,7 +380,69 @@ MESSAGES = [
     Case("stats-empty-stdin", ["stats", "-"], "no records", stdin=""),
 ]
 
-TABLE = CLOBBER + APPEND + PATHS + OPTIONS + MESSAGES
+# --------------------------------------------------------------------------------------------
+# A local model directory with a broken file: named before any backend loads it (transformers,
+# vLLM and our decoder each failed deep inside with an internal error)
+
+M = "{tmp}/model"
+GOOD_CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64})
+
+
+def safetensors_bytes(declared_bytes: int, data: bytes) -> bytes:
+    """A safetensors file whose one tensor claims `declared_bytes` of data; `data` follows the header."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [declared_bytes // 4],
+                               "data_offsets": [0, declared_bytes]}}).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def model_dir(**broken):
+    """setup(tmp): a model directory at tmp/model with a config, a tokenizer and weights (empty:
+    the checks read headers only), then `broken` files written over or added (see files)."""
+    return both(files(model__config_json=GOOD_CONFIG, model__tokenizer_json="{}",
+                      model__model_safetensors=safetensors_bytes(16, b"\0" * 16)),
+                files(**{f"model__{k}": v for k, v in broken.items()}))
+
+
+BROKEN_MODELS = [
+    Case("evaluate-model-config-not-json", ["evaluate", "-o", "{tmp}/ev", "--model", M],
+         "{tmp}/model/config.json:1: invalid JSON", files(model__config_json='{"model_type": "llama",')),
+    Case("sample-model-config-is-a-list", ["sample", "-o", T, "--model", M],
+         "{tmp}/model/config.json: expected a JSON object", files(model__config_json="[]")),
+    Case("sample-model-size-is-a-string", ["sample", "-o", T, "--model", M],
+         "{tmp}/model/config.json: hidden_size must be a positive integer",
+         files(model__config_json='{"model_type": "llama", "hidden_size": "big"}')),
+    Case("evaluate-model-layers-zero", ["evaluate", "-o", "{tmp}/ev", "--model", M], "num_hidden_layers",
+         files(model__config_json='{"model_type": "llama", "num_hidden_layers": 0}')),
+    Case("evaluate-model-tokenizer-json-truncated", ["evaluate", "-o", "{tmp}/ev", "--model", M],
+         "{tmp}/model/tokenizer.json:1: invalid JSON",
+         model_dir(tokenizer_json='{"version": "1.0", "trunc')),
+    Case("sample-model-chat-template-does-not-compile", ["sample", "-o", T, "--model", M],
+         "{tmp}/model/chat_template.jinja:2: the chat template does not compile",
+         model_dir(chat_template_jinja="{% for m in messages %}\n{{ m.content ")),
+    Case("evaluate-model-template-in-tokenizer-config", ["evaluate", "-o", "{tmp}/ev", "--model", M],
+         "{tmp}/model/tokenizer_config.json: the chat template does not compile",
+         model_dir(tokenizer_config_json='{"chat_template": "{% if %}"}')),
+    Case("finetune-init-safetensors-not-one", ["finetune", "{tmp}/s.jsonl", "--out", "{tmp}/run", "--init", M],
+         "{tmp}/model/model.safetensors: not a safetensors file",
+         both(files(s_jsonl=SAMPLES), model_dir(model_safetensors=b"\0" * 100))),
+    Case("loop-model-safetensors-cut-short", ["loop", "--run-dir", "{tmp}/run", "--model", M],
+         "{tmp}/model/model.safetensors: cut short",
+         model_dir(model_safetensors=safetensors_bytes(64, b"\0" * 16))),
+    Case("filter-ref-model-index-not-json", ["filter", T, "-o", "{tmp}/s.jsonl", "--ref-model", M],
+         "{tmp}/model/model.safetensors.index.json:1",
+         both(files(tapes_jsonl=TAPES), model_dir(),
+              lambda tmp: (tmp / "model" / "model.safetensors.index.json").write_text("{"))),
+    Case("evaluate-model-without-tokenizer", ["evaluate", "-o", "{tmp}/ev", "--model", M],
+         "{tmp}/model: no tokenizer files", both(model_dir(), lambda tmp: (tmp / "model" / "tokenizer.json").unlink())),
+    Case("sample-model-without-weights", ["sample", "-o", T, "--model", M], "{tmp}/model: no weights",
+         both(model_dir(), lambda tmp: (tmp / "model" / "model.safetensors").unlink())),
+    Case("loop-model-index-names-a-missing-shard", ["loop", "--run-dir", "{tmp}/run", "--model", M],
+         "shard model-00002-of-00002.safetensors is missing",
+         both(model_dir(), lambda tmp: (tmp / "model" / "model.safetensors.index.json").write_text(json.dumps(
+             {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})))),
+]
+
+TABLE = CLOBBER + APPEND + PATHS + OPTIONS + MESSAGES + BROKEN_MODELS
 
 
 @pytest.mark.parametrize("case", TABLE, ids=str)
