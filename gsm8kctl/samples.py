@@ -82,10 +82,11 @@ def check_sample(record: dict, where: str, *, seq_length: int | None = None,
                         f"finetune.seq_length={seq_length}; raise finetune.seq_length or "
                         "sample with a smaller max_tokens")
     if vocab_size is not None:
-        top = max(ids)
-        if top >= vocab_size or min(ids) < 0:
-            raise UserError(f"{where}: token id {top} is outside the model's vocabulary "
-                            f"({vocab_size}); were these samples made with another model?")
+        top, low = max(ids), min(ids)
+        if top >= vocab_size or low < 0:
+            bad = low if low < 0 else top  # the id named is one that is out of range
+            raise UserError(f"{where}: token id {bad} is outside the model's vocabulary "
+                            f"(0..{vocab_size - 1}); were these samples made with another model?")
     return record
 
 

@@ -412,6 +412,10 @@ def test_bad_inputs(tiny_model_dir, tmp_path):
     bad_vocab = _samples(n=1, lo=10**6, hi=10**6 + 1)
     with pytest.raises(UserError, match="outside the model's vocabulary"):
         run(bad_vocab)
+    negative = _samples(n=1)[0]
+    negative["input_ids"] = negative["input_ids"][:-1] + [-4]
+    with pytest.raises(UserError, match=r"token id -4 is outside the model's vocabulary \(0\.\."):
+        run([negative])
     with pytest.raises(UserError, match="grpo needs the sampler's old_logprobs"):
         run(_samples(n=2, old=False), objective="grpo")
     with pytest.raises(UserError, match="kl_coef > 0 needs ref_logprobs"):
