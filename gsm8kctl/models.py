@@ -246,9 +246,26 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tok.save_pretrained(out_dir)
 
 
+def check_transformers_reads(path: str) -> None:
+    """transformers' own reading of a local config.json, as one line: a `model_type` this version
+    does not know fails there with a paragraph (vLLM wraps it in a validation error)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return  # a hub id: transformers downloads and reads it itself
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, TypeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{config}: transformers {transformers.__version__} cannot read it: {first}") from None
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    check_transformers_reads(path)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -278,7 +278,7 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         from gsm8kctl import packing
-        from gsm8kctl.models import load_tokenizer
+        from gsm8kctl.models import check_transformers_reads, load_tokenizer
 
         ft = cfg["finetune"]
         self.out_dir = Path(out_dir)
@@ -316,6 +316,7 @@ class Trainer:
         self.saved_global_batch = state.get("global_batch") if state else None
 
         # Model and tokenizer. fp32 master weights always; bf16 only inside autocast.
+        check_transformers_reads(start)
         self.lm = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
         self.lm.config.use_cache = False
         if ft["gradient_checkpointing"]:

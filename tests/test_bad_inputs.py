@@ -436,6 +436,12 @@ BROKEN_MODELS = [
          "{tmp}/model: no tokenizer files", both(model_dir(), lambda tmp: (tmp / "model" / "tokenizer.json").unlink())),
     Case("sample-model-without-weights", ["sample", "-o", T, "--model", M], "{tmp}/model: no weights",
          both(model_dir(), lambda tmp: (tmp / "model" / "model.safetensors").unlink())),
+    # a model_type transformers does not know: its paragraph (vLLM's validation error) as one line
+    Case("evaluate-model-type-unknown", ["evaluate", "-o", "{tmp}/ev", "--model", M],
+         "{tmp}/model/config.json: transformers", model_dir(config_json='{"model_type": "foobar"}')),
+    Case("finetune-init-model-type-unknown", ["finetune", "{tmp}/s.jsonl", "--out", "{tmp}/run", "--init", M],
+         "{tmp}/model/config.json: transformers",
+         both(files(s_jsonl=SAMPLES), model_dir(config_json='{"model_type": "foobar", "vocab_size": 100}'))),
     Case("loop-model-index-names-a-missing-shard", ["loop", "--run-dir", "{tmp}/run", "--model", M],
          "shard model-00002-of-00002.safetensors is missing",
          both(model_dir(), lambda tmp: (tmp / "model" / "model.safetensors.index.json").write_text(json.dumps(

@@ -111,6 +111,10 @@ def run_finetune(
 
     start, resume, note = _resolve_start(out_dir, init, cfg)
     samples = _load_and_check(samples_paths, start, cfg, objective)
+    if not resume:  # a model not ours: one line if transformers cannot read it, before any output
+        from gsm8kctl.models import check_transformers_reads
+
+        check_transformers_reads(start)
     if not quiet:
         say(note)
 
