@@ -590,3 +590,28 @@ def test_sample_drops_only_its_own_half_line_and_keeps_a_whole_last_line(tiny_mo
     assert proc.returncode == 0, proc.stderr
     lines = frag.read_text(encoding="utf-8").splitlines()
     assert json.loads(lines[0]) == kept and len(lines) == 2 and json.loads(lines[1])["attempt"] == 1
+
+
+def test_model_dir_check_passes_real_layouts_and_sees_a_file_change(tiny_model_dir, tmp_path):
+    """The model-directory check takes what loaders take (our tiny model; sharded safetensors with
+    an index), and a directory checked once is checked again when a file in it changes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gsm8kctl.errors import UserError
+    from gsm8kctl.models import check_model_dir
+
+    check_model_dir(Path(tiny_model_dir))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, sharded)
+    (sharded / "model.safetensors").unlink()
+    save_file({"a": torch.zeros(4)}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(2, 3)}, str(sharded / "model-00002-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 40}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                        "b": "model-00002-of-00002.safetensors"}}))
+    check_model_dir(sharded)
+    shard = sharded / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])  # cut short after it passed once
+    with pytest.raises(UserError, match="model-00002-of-00002.safetensors: cut short"):
+        check_model_dir(sharded)
