@@ -61,12 +61,16 @@ def check_model_dir(path: Path) -> None:
     """Refuse a local model directory whose files would fail deep inside a load (transformers,
     vLLM, our decoder): JSON that does not parse, a size in config.json that is not a positive
     integer, a chat template that does not compile, no tokenizer files, no weights, a shard the
-    index names missing, a safetensors file cut short or not one. One
-    line naming the file and line or key; nothing is loaded (headers and JSON only). A directory
-    already checked with the same files (names, sizes, mtimes) is not read again: the loop
-    resolves its checkpoints at every phase, and tokenizer.json alone is ~30 ms of parsing."""
-    key = (str(path.resolve()), tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in path.iterdir()
-                                             if f.is_file() and (st := f.stat()))))
+    index names missing, a safetensors file cut short or not one. One line naming the file and
+    line or key; nothing is loaded (headers and JSON only). A directory already checked with the
+    same files (names, sizes, mtimes) is not read again: the loop resolves its checkpoints at
+    every phase, and tokenizer.json alone is ~30 ms of parsing."""
+    files = []
+    for f in path.iterdir():
+        if f.is_file():
+            st = f.stat()
+            files.append((f.name, st.st_size, st.st_mtime_ns))
+    key = (str(path.resolve()), tuple(sorted(files)))
     if key in _CHECKED:
         return
     _check_model_files(path)
