@@ -141,7 +141,7 @@ def _check_template(where: Path, text: str) -> None:
     except jinja2.TemplateSyntaxError as exc:
         line = f" (line {exc.lineno} of the template)" if where.name != "chat_template.jinja" else ""
         at = f"{where}:{exc.lineno}" if where.name == "chat_template.jinja" else str(where)
-        raise UserError(f"{at}: the chat template does not compile{line}: {exc.message}") from None
+        raise UserError(f"{at}: the chat template does not compile{line}: {exc.message or exc}") from None
 
 
 def _check_safetensors(path: Path) -> None:

@@ -433,3 +433,17 @@ def test_bad_inputs(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="no tokenizer"):
         ft.run_finetune([_write(tmp_path / "ok.jsonl", _samples(n=2))], out, cfg, init=str(bare))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_resume_from_a_checkpoint_without_its_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    """The checkpoint a rerun resumes from gets the same model-directory check as a --model path:
+    one line naming it, before any training."""
+    samples = tmp_path / "s.jsonl"
+    _write(samples, _samples(n=4))
+    out = tmp_path / "out"
+    ft.run_finetune([str(samples)], str(out), _cfg("finetune.steps=1"), init=tiny_model_dir, quiet=True)
+    ckpt = rundir.latest_checkpoint(out)
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match=rf"{ckpt}: no tokenizer files"):
+        ft.run_finetune([str(samples)], str(out), _cfg("finetune.steps=2"), init=tiny_model_dir, quiet=True)
+    assert rundir.latest_checkpoint(out) == ckpt  # nothing trained or saved

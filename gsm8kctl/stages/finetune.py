@@ -185,10 +185,10 @@ def _vocab_size(start: str) -> int | None:
 
 def _load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) -> list[dict]:
     ft = cfg["finetune"]
-    if Path(start).is_dir() and not any((Path(start) / f).exists()
-                                        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise UserError(f"{start}: no tokenizer files; checkpoints must carry their tokenizer "
-                        "(save it next to the weights, or start from a complete model directory)")
+    if Path(start).is_dir():  # a checkpoint resumed from did not go through resolve_model's check
+        from gsm8kctl.models import check_model_dir
+
+        check_model_dir(Path(start))
     vocab = _vocab_size(start)
     samples = read_samples(paths, seq_length=ft["seq_length"], vocab_size=vocab)
     if objective == "grpo":
