@@ -350,6 +350,9 @@ def _usage_error_line(exc) -> str:
 
 def main() -> None:
     """Run the app; a usage error (bad option, bad typed value) is one `Error:` line and exit 2."""
+    from gsm8kctl.progress import keep_stdout_for_data
+
+    keep_stdout_for_data()
     errors = _click_exceptions()
     try:
         rv = app(standalone_mode=False)

@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 from rich.console import Console
 
 console = Console(stderr=True)
+
+
+def keep_stdout_for_data() -> None:
+    """Make file descriptor 1 a copy of stderr and give `sys.stdout` the real stdout on a private
+    descriptor, so only our own writes reach the data stream.
+
+    Libraries print and log to stdout (vLLM's logger does by default, and its engine core and
+    workers inherit fd 1), which put log lines inside `sample -o -`'s JSONL. The private
+    descriptor is not inherited by the programs we start; forked children get stderr as stdout.
+    Called once by the command line's entry point, not by library use of the stages.
+    """
+    try:
+        data_fd = os.dup(1)  # non-inheritable: a started program never holds the pipe open
+    except OSError:  # no stdout at all (`>&-`): nothing to keep
+        return
+    try:
+        os.dup2(2, 1)
+    except OSError:  # no stderr to send talk to: leave fd 1 as it was
+        os.close(data_fd)
+        return
+    old = sys.stdout
+    sys.stdout = open(data_fd, "w", encoding=getattr(old, "encoding", None) or "utf-8",
+                      errors=getattr(old, "errors", None) or "strict", closefd=True)
+    os.register_at_fork(after_in_child=_stdout_to_stderr)
+
+
+def _stdout_to_stderr() -> None:
+    sys.stdout = sys.stderr
 
 
 def say(message: str, quiet: bool = False, *, verbatim: bool = False) -> None:

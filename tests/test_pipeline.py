@@ -26,3 +26,22 @@ def test_shell_pipeline_sample_filter_finetune_then_evaluate(tiny_model_dir, tmp
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     assert metrics["n"] == 2 and metrics["model"] == str(run)  # a run directory stands for its latest checkpoint
+
+
+def test_stdout_keeps_only_the_data_when_libraries_and_children_print(tmp_path):
+    """What the command line does first (progress.keep_stdout_for_data): print()/os.write(1) by a
+    library, a started program and a forked child land on stderr; sys.stdout still reaches the pipe."""
+    code = (
+        "import multiprocessing, os, subprocess, sys\n"
+        "from gsm8kctl.progress import keep_stdout_for_data\n"
+        "keep_stdout_for_data()\n"
+        "sys.stdout.write('data-1\\n'); sys.stdout.flush()\n"
+        "os.write(1, b'fd1\\n')\n"
+        "subprocess.run(['echo', 'program'], check=True)\n"
+        "p = multiprocessing.get_context('fork').Process(target=print, args=('forked',)); p.start(); p.join()\n"
+        "print('data-2')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "data-1\ndata-2\n"
+    assert proc.stderr.split() == ["fd1", "program", "forked"]

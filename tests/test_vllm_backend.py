@@ -100,6 +100,23 @@ def test_sigkill_of_a_stage_run_by_hand_leaves_no_engine(smollm2_dir, tmp_path):
     assert not survivors, f"processes of the stage outlived it by 10 s: {survivors}"
 
 
+def test_sample_to_stdout_is_tapes_only(smollm2_dir, tmp_path):
+    """`sample -o -` on vLLM: its log lines (vLLM logs to stdout by default, from this process and
+    from its engine core) go to stderr, and every stdout line is a tape (before: 12 log lines first)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, "-m", "gsm8kctl", "sample", "--model", smollm2_dir, "--backend", "vllm",
+           "--n-problems", "2", "--attempts", "2", "--max-tokens", "8", "-o", "-", "-q",
+           "--llm-calls", str(tmp_path / "calls.sqlite")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tapes = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert sorted(t["attempt"] for t in tapes) == [0, 0, 1, 1] and all(t["id"] for t in tapes)
+
+
 def _check_completion(c, backend, max_tokens):
     assert c.finish_reason in ("stop", "length")
     assert len(c.token_ids) == len(c.logprobs) > 0

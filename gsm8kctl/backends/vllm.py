@@ -129,6 +129,8 @@ def engine_env(cfg: dict | None = None):
     updates.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
     # vLLM sets up its logging at first import; keep a CLI run quiet unless the user asks.
     updates.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    # Its logger writes to stdout by default, which is data here (`sample -o -`).
+    updates.setdefault("VLLM_LOGGING_STREAM", os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr"))
     keys = set(updates) | {"LD_PRELOAD"}  # vLLM itself may extend LD_PRELOAD while starting
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.update(updates)
