@@ -18,6 +18,7 @@ import typer
 
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, UserError
+from gsm8kctl.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
 
 app = typer.Typer(
     help="Rejection sampling and REINFORCE-style RL for GSM8k. Every stage reads and writes files; "
@@ -53,6 +54,26 @@ def _is_path_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.filename is not None and exc.errno in _PATH_ERRNOS
 
 
+def _is_write_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.filename is not None and exc.errno in WRITE_ERRNOS
+
+
+def _print_json(obj) -> None:
+    with naming(STDOUT_NAME):
+        typer.echo(json.dumps(obj, allow_nan=False))
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is buffered cannot fail
+    again at exit (Python then exits 120 with an `Exception ignored` message)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def _handle_errors(fn):
     """One place maps exceptions to exit codes; GSM8KCTL_DEBUG=1 re-raises for a traceback."""
 
@@ -74,11 +95,16 @@ def _handle_errors(fn):
             raise
         except BrokenPipeError:
             # `gsm8kctl ... | head` closed the pipe: not an error of ours.
-            sys.stderr.close()
+            _discard_stdout()
             raise typer.Exit(0)
         except Exception as exc:  # noqa: BLE001 - the last line of defence
             if os.environ.get("GSM8KCTL_DEBUG"):
                 raise
+            if _is_write_error(exc):  # a full disk: not the user's input, not our bug either
+                if exc.filename == STDOUT_NAME:
+                    _discard_stdout()
+                typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
+                raise typer.Exit(EXIT_INTERNAL)
             if _is_path_error(exc):  # a path the stages' checks did not foresee: still the user's input
                 typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
                 raise typer.Exit(EXIT_BAD_INPUT)
@@ -87,6 +113,18 @@ def _handle_errors(fn):
             raise typer.Exit(EXIT_INTERNAL)
 
     return wrapper
+
+
+def _problem_ids(text: Optional[str], count: Optional[int], count_option: str) -> Optional[list[str]]:
+    """--problem-ids as a list; one that names no id is refused, not read as "all problems"."""
+    if text is None:
+        return None
+    ids = [p.strip() for p in text.split(",") if p.strip()]
+    if not ids:
+        raise UserError(f"--problem-ids: no problem id in {text!r}; give ids like train-00042,train-00007")
+    if count is not None:
+        raise UserError(f"--problem-ids and {count_option}: give one of them, not both")
+    return ids
 
 
 def _config(config: Optional[Path], overrides: Optional[list[str]], command: Optional[str] = None,
@@ -123,7 +161,7 @@ def sample(
     top_p: Annotated[Optional[float], typer.Option()] = None,
     max_tokens: Annotated[Optional[int], typer.Option()] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
-    iteration: Annotated[int, typer.Option(help="Iteration number recorded in the tapes.")] = 0,
+    iteration: Annotated[int, typer.Option(min=0, help="Iteration number recorded in the tapes.")] = 0,
     llm_calls: CallsOpt = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
@@ -138,7 +176,7 @@ def sample(
                   **{"openai.base_url": base_url, "sampling.temperature": temperature, "sampling.top_p": top_p,
                      "sampling.max_tokens": max_tokens, "seed": seed,
                      "data_dir": str(data_dir) if data_dir else None})
-    ids = [p.strip() for p in problem_ids.split(",") if p.strip()] if problem_ids else None
+    ids = _problem_ids(problem_ids, n_problems, "--n-problems")
     result = run(cfg, out=out, split=split, n_problems=n_problems, problem_ids=ids, calls_db=llm_calls,
                  iteration=iteration, quiet=quiet)
     say(f"{result['tapes']} tapes written ({result['skipped']} already there), {result['tokens_per_s']:.0f} tok/s",
@@ -155,7 +193,7 @@ def evaluate(
     limit: Annotated[Optional[int], typer.Option(help="First K test problems (default: all 1319).")] = None,
     problem_ids: Annotated[Optional[str], typer.Option(help="Comma-separated ids instead, e.g. test-00042.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option()] = None,
-    iteration: Annotated[int, typer.Option(help="Iteration number recorded in the tapes.")] = 0,
+    iteration: Annotated[int, typer.Option(min=0, help="Iteration number recorded in the tapes.")] = 0,
     llm_calls: CallsOpt = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
@@ -169,11 +207,11 @@ def evaluate(
 
     cfg = _config(config, overrides, model=model, backend=backend,
                   **{"openai.base_url": base_url, "evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
-    ids = [p.strip() for p in problem_ids.split(",") if p.strip()] if problem_ids else None
+    ids = _problem_ids(problem_ids, limit, "--limit")
     metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
                   calls_db=llm_calls, iteration=iteration, quiet=quiet, problem_ids=ids)
     if json_out:
-        typer.echo(json.dumps(metrics, allow_nan=False))
+        _print_json(metrics)
     elif not quiet:
         render_table(metrics, f"evaluate {out}")
 
@@ -192,7 +230,7 @@ def stats(
     if result["count"] == 0:
         raise UserError(f"{path}: no records")
     if json_out:
-        typer.echo(json.dumps(result, allow_nan=False))
+        _print_json(result)
     else:
         render_table(result, f"stats {path}")
 
@@ -297,7 +335,7 @@ def gather_tapes(
         raise UserError("--json prints to stdout; give -o FILE for the tapes")
     result = run(sources, out, quiet=quiet or json_out)
     if json_out:
-        typer.echo(json.dumps(result, allow_nan=False))
+        _print_json(result)
 
 
 @app.command()
@@ -371,7 +409,17 @@ def main() -> None:
         typer.echo("Aborted.", err=True)
         sys.exit(EXIT_INTERNAL)
     # Without standalone mode click returns the exit code of a typer.Exit, or the command's value.
-    sys.exit(rv if isinstance(rv, int) else 0)
+    code = rv if isinstance(rv, int) else 0
+    try:  # what is still buffered, flushed here where its errors get one line, not at exit
+        with naming(STDOUT_NAME):
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+    except OSError as exc:
+        _discard_stdout()
+        typer.echo(f"Error: {exc.filename or STDOUT_NAME}: {exc.strerror}", err=True)
+        code = code or EXIT_INTERNAL
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -245,22 +248,35 @@ class JsonlAppender:
     def write(self, record: dict) -> None:
         data = (dumps(record) + "\n").encode("utf-8")
         if self._fd is None:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
+            with naming(STDOUT_NAME):
+                sys.stdout.buffer.write(data)
+                sys.stdout.buffer.flush()
             return
         view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        self._count += 1
-        if self.fsync_every and self._count % self.fsync_every == 0:
-            os.fsync(self._fd)
+        start = None  # where this line began, once a short write (a full disk?) cut it
+        with naming(self.path):
+            try:
+                while view:
+                    written = os.write(self._fd, view)
+                    if start is None and written < len(data):
+                        start = os.fstat(self._fd).st_size - written
+                    view = view[written:]
+            except OSError:
+                if start is not None:  # take the cut line back: the file stays whole lines
+                    os.ftruncate(self._fd, start)
+                raise
+            self._count += 1
+            if self.fsync_every and self._count % self.fsync_every == 0:
+                os.fsync(self._fd)
 
     def close(self) -> None:
         if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                with naming(self.path):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> "JsonlAppender":
         return self
@@ -271,18 +287,74 @@ class JsonlAppender:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write a whole file through a temp file + rename: readers see the old or the new file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    with replacing(path) as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path):
+    """A text file that replaces `path` whole when the block ends: a temp file beside it, fsynced,
+    then renamed over it, so a reader (or a crash) sees the old file or the new one, never half.
+
+    - A symlink's target is replaced, not the link.
+    - A path that is not a regular file (`/dev/null`, a FIFO) is written straight into: renaming
+      over it would destroy a device node or leave a reader waiting forever.
+    - The new file keeps the old one's permissions, or gets what `open()` would give (0666 less
+      the umask): mkstemp's 0600 would lock others out of a shared run directory.
+    - A full disk's OSError gets `path`, so the error line can name it (`naming`).
+    """
+    target = Path(os.path.realpath(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        old = os.stat(target)
+    except FileNotFoundError:
+        old = None
+    with naming(path):
+        if old is not None and not stat.S_ISREG(old.st_mode):
+            with open(target, "w", encoding="utf-8") as f:
+                yield f
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~_umask())
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# Errors only a write raises, which come without a file name from write() and fsync().
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+STDOUT_NAME = "<stdout>"  # what an error line calls `-o -`, as reading calls stdin <stdin>
+
+
+@contextlib.contextmanager
+def naming(path: str | Path):
+    """Within: a write error that came without a file name (a full disk) is raised with `path`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno not in WRITE_ERRNOS:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (os.umask would change it
+    for every thread for a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
@@ -293,24 +365,14 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
     """Write all records to `path` atomically (or stream to stdout for `-`); return the count."""
     n = 0
     if str(path) == "-":
-        out = sys.stdout
-        for r in records:
-            out.write(dumps(r) + "\n")
-            n += 1
-        out.flush()
-        return n
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with naming(STDOUT_NAME):
             for r in records:
-                f.write(dumps(r) + "\n")
+                sys.stdout.write(dumps(r) + "\n")
                 n += 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            sys.stdout.flush()
+        return n
+    with replacing(path) as f:
+        for r in records:
+            f.write(dumps(r) + "\n")
+            n += 1
     return n

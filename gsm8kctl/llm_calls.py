@@ -6,7 +6,9 @@ recorded in the database, so an old log opens and upgrades in place.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Iterable
@@ -127,9 +129,18 @@ def call_record(*, call_id: str, tape_id: str, backend: str, model: str, message
 
 
 def insert_calls(db: Database, records: Iterable[dict]) -> None:
-    """Insert in one transaction; a rerun of the same attempt replaces its call (same id)."""
-    with db.conn:
-        db[TABLE].insert_all(records, pk="id", replace=True, batch_size=200)
+    """Insert in one transaction; a rerun of the same attempt replaces its call (same id).
+
+    A full disk is raised as the OSError it is, with the log's path, so it gets the one line a
+    full disk gets elsewhere (sqlite rolls the transaction back: no call is half in)."""
+    try:
+        with db.conn:
+            db[TABLE].insert_all(records, pk="id", replace=True, batch_size=200)
+    except sqlite3.OperationalError as exc:
+        if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+            raise
+        path = db.conn.execute("PRAGMA database_list").fetchone()[2]
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({exc})", path) from exc
 
 
 def calls_for_tape(conn: sqlite3.Connection, tape_id: str) -> list[dict]:

@@ -3,15 +3,16 @@
 Every stage calls `check_output_file` / `check_output_dir` first, so a refused run writes
 nothing: no output file, no config next to it, no directory. The checks refuse an output that
 would destroy an input (the same file after symlinks and hard links: compared by st_dev/st_ino
-when both exist), a GSM8k data file, or a place this user cannot write, with one line that names
-the path.
+when both exist), a GSM8k data file, a place this user cannot write, or an existing file that a
+stage would replace but did not write (`check_replaceable`), with one line that names the path.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from gsm8kctl.errors import UserError
 
@@ -106,3 +107,39 @@ def check_output_dir(path: str | Path, *, option: str = "-o", files: Iterable[st
         if f.is_dir():
             raise UserError(f"{f}: is a directory, but {option} writes a file there")
         _refuse_clobber(f, option, inputs, data_dir)
+
+
+def check_replaceable(path: str | Path, *, option: str, looks_ours: Callable[[Path], bool], what: str) -> None:
+    """An existing file that an output replaces whole must be one a stage wrote (`looks_ours`):
+    a rerun replaces its own output, but a user's file that happens to sit there is refused.
+
+    Empty files and what is not a regular file (`/dev/null`) are fine to write into.
+    """
+    p = Path(path)
+    if str(path) == "-" or not p.is_file() or p.stat().st_size == 0:
+        return
+    try:
+        ours = looks_ours(p)
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON/YAML: not ours either
+        ours = False
+    if not ours:
+        raise UserError(f"{p}: {option} would replace this file, which is not {what}; move it away or "
+                        "choose another path")
+
+
+def first_line_is_json_object(p: Path) -> bool:
+    """The file starts with a JSON object line: a JSONL file of records (ours, or one to replace)."""
+    with open(p, "rb") as f:
+        line = f.readline(64 << 20)
+    return isinstance(json.loads(line), dict)
+
+
+def is_saved_config(p: Path) -> bool:
+    """A resolved config as `save_config` writes it: a YAML mapping with the config's main sections."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError:
+        return False
+    return isinstance(cfg, dict) and {"model", "sampling", "finetune"} <= set(cfg)

@@ -156,6 +156,7 @@ def state(obj) -> str:
 GOOD_STATE = {"iteration": 1, "phase": "sample", "cursor": 4, "problems": None, "child_pgid": None,
               "timings": {}, "best": None}
 DATA = ["--data-dir", "{tmp}/data"]
+SAVED_CONFIG = "model: m\nsampling: {}\nfinetune: {}\n"  # the main sections of a config a stage saved
 T = "{tmp}/tapes.jsonl"
 # A port someone else is listening on, for browse: held for the whole test session.
 _BUSY = socket.socket()
@@ -249,6 +250,30 @@ APPEND = [
 ]
 
 # --------------------------------------------------------------------------------------------
+# Outputs replaced whole (filter, gather-tapes, a stage's config and metrics): a file there that no
+# stage wrote is refused, not replaced (a rerun replacing its own output is in the stages' tests)
+
+REPLACE = [
+    Case("filter-o-replaces-a-text-file", ["filter", T, "-o", "{tmp}/notes.txt"], "{tmp}/notes.txt: -o would replace",
+         files(tapes_jsonl=TAPES, notes_txt="my notes\n")),
+    Case("gather-o-replaces-a-text-file", ["gather-tapes", T, "-o", "{tmp}/notes.txt"], "{tmp}/notes.txt: -o would",
+         files(tapes_jsonl=TAPES, notes_txt="my notes\n")),
+    Case("gather-o-replaces-a-json-list", ["gather-tapes", T, "-o", "{tmp}/l.json"], "not a JSONL file",
+         files(tapes_jsonl=TAPES, l_json="[1, 2]\n")),
+    Case("sample-config-beside-o-is-the-users", ["sample", "-o", T, "--model", "{tiny}"], "{tmp}/tapes.config.yaml",
+         lambda tmp: (tmp / "tapes.config.yaml").write_text("my: settings\n")),
+    Case("evaluate-o-dir-holds-a-foreign-metrics-json", ["evaluate", "-o", "{tmp}/ev", "--model", "{tiny}"],
+         "{tmp}/ev/metrics.json", files(ev__metrics_json='{"mine": 1}\n')),
+    Case("evaluate-o-dir-holds-a-foreign-config-yaml", ["evaluate", "-o", "{tmp}/ev", "--model", "{tiny}"],
+         "{tmp}/ev/config.yaml", files(ev__config_yaml="x: 1\n")),
+    Case("loop-run-dir-holds-a-foreign-metrics-jsonl", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}"],
+         "{tmp}/run/metrics.jsonl", files(run__metrics_jsonl='{"step": 1}\n')),
+    Case("loop-run-dir-holds-a-foreign-config-yaml", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}"],
+         "{tmp}/run/config.yaml", files(run__config_yaml="- a list\n")),
+    Case("evaluate-o-is-stdout", ["evaluate", "-o", "-", "--model", "{tiny}"], "-o -: evaluate writes a directory"),
+]
+
+# --------------------------------------------------------------------------------------------
 # Item 7: impossible output paths, broken call logs and state, unknown offline models
 
 PATHS = [
@@ -306,11 +331,11 @@ PATHS = [
     Case("loop-state-iteration-is-a-string", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}"], "'iteration'",
          files(run__state_json=state({**GOOD_STATE, "iteration": "3"}))),
     Case("loop-state-problems-not-a-list", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}"], "'problems'",
-         files(run__state_json=state({**GOOD_STATE, "problems": 5}), run__config_yaml="seed: 1\n")),
+         files(run__state_json=state({**GOOD_STATE, "problems": 5}), run__config_yaml=SAVED_CONFIG)),
     Case("loop-state-without-start-model-for-ref-start", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}",
                                                           "filter.ref_model=start", "finetune.rl.kl_coef=0.1"],
          "{tmp}/run/state.json: filter.ref_model=start", files(run__state_json=state(GOOD_STATE),
-                                                              run__config_yaml="seed: 1\n")),
+                                                              run__config_yaml=SAVED_CONFIG)),
     # a hub id that is not in the cache while offline (HF_HUB_OFFLINE=1 in conftest)
     Case("sample-unknown-hub-model-offline", ["sample", "-o", T, "--model", "nosuch-org/nosuch-model"],
          "nosuch-org/nosuch-model"),
@@ -352,6 +377,13 @@ OPTIONS = [
          "--max-per-problem: 'two' is not a valid integer", files(tapes_jsonl=TAPES)),
     Case("browse-port-not-an-integer", ["browse", T, "--port", "http"], "--port: 'http' is not a valid integer",
          files(tapes_jsonl=TAPES)),
+    Case("sample-iteration-negative", ["sample", "-o", T, "--iteration", "-5"], "--iteration"),
+    Case("sample-problem-ids-without-an-id", ["sample", "-o", T, "--problem-ids", ",", "--model", "{tiny}"],
+         "--problem-ids: no problem id"),
+    Case("sample-problem-ids-and-n-problems", ["sample", "-o", T, "--problem-ids", "train-00001", "--n-problems",
+                                               "3", "--model", "{tiny}"], "--problem-ids and --n-problems"),
+    Case("evaluate-problem-ids-and-limit", ["evaluate", "-o", "{tmp}/ev", "--problem-ids", "test-00001", "--limit",
+                                            "3", "--model", "{tiny}"], "--problem-ids and --limit"),
     Case("sample-misspelt-option", ["sample", "-o", T, "--atempts", "3"], "No such option: --atempts"),
     Case("sample-missing-out", ["sample", "--attempts", "3"], "Missing option '--out'"),
     Case("browse-port-out-of-range", ["browse", T, "--port", "99999"], "--port 99999", files(tapes_jsonl=TAPES)),
@@ -448,7 +480,7 @@ BROKEN_MODELS = [
              {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})))),
 ]
 
-TABLE = CLOBBER + APPEND + PATHS + OPTIONS + MESSAGES + BROKEN_MODELS
+TABLE = CLOBBER + APPEND + REPLACE + PATHS + OPTIONS + MESSAGES + BROKEN_MODELS
 
 
 @pytest.mark.parametrize("case", TABLE, ids=str)

@@ -1,3 +1,4 @@
+import pytest
 import sqlite_utils
 
 from gsm8kctl import llm_calls
@@ -54,3 +55,23 @@ def test_rerun_replaces_not_duplicates(tmp_path):
     assert db["llm_calls"].count == 6
     conn = llm_calls.open_readonly(tmp_path / "c.sqlite")
     assert [c["id"] for c in llm_calls.calls_for_tape(conn, "t1")] == ["c1", "c4"]
+
+
+def test_a_full_log_is_a_named_oserror_and_keeps_no_half_batch(tmp_path):
+    """SQLITE_FULL (a full disk; here the page limit sqlite obeys the same way) is the OSError a full
+    disk is elsewhere, with the log's path, so the CLI prints one line; the batch rolls back whole."""
+    import errno
+
+    path = tmp_path / "llm_calls.sqlite"
+    db = llm_calls.open_log(path)
+    rows = [llm_calls.call_record(call_id=f"c{i}", tape_id=f"t{i}", backend="b", model="m", messages=[],
+                                  prompt_text="p" * 3000, completion="c", params={}, prompt_tokens=1,
+                                  completion_tokens=1, latency_s=0.1, finish_reason="stop", created=1.0)
+             for i in range(200)]
+    llm_calls.insert_calls(db, rows[:2])
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages + 20}")
+    with pytest.raises(OSError) as info:
+        llm_calls.insert_calls(db, rows[2:])
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    assert db.execute("SELECT count(*) FROM llm_calls").fetchone()[0] == 2

@@ -5,6 +5,7 @@ Writes OUT/tapes.jsonl (resumable like `sample`), OUT/metrics.json and OUT/confi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from gsm8kctl.attempts import check_calls_db, existing_output, open_backend, run_attempts
@@ -13,7 +14,7 @@ from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.data import load_problems, select_problems
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl
-from gsm8kctl.paths import check_output_dir
+from gsm8kctl.paths import check_output_dir, check_replaceable, is_saved_config
 from gsm8kctl.progress import say
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
@@ -26,7 +27,12 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     # Every check before the model loads and before anything is written: a refused run writes nothing.
     out = Path(out_dir)
     tapes_path = out / TAPES_FILE
+    if out_dir == "-":
+        raise UserError("-o -: evaluate writes a directory (tapes, metrics.json, config.yaml); give its path, "
+                        "and --json for the metrics on stdout")
     check_output_dir(out, option="-o", files=(TAPES_FILE, METRICS_FILE, CONFIG_FILE), data_dir=cfg["data_dir"])
+    check_replaceable(out / CONFIG_FILE, option="-o", looks_ours=is_saved_config, what="a config a stage saved")
+    check_replaceable(out / METRICS_FILE, option="-o", looks_ours=is_eval_metrics, what="evaluate's metrics")
     calls_db = calls_db or str(out / LLM_CALLS_FILE)
     check_calls_db(calls_db, str(tapes_path), cfg["data_dir"])
     existing = existing_output(str(tapes_path))
@@ -57,6 +63,12 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
                            tokens_per_s=run["tokens_per_s"])
     atomic_write_json(out / METRICS_FILE, metrics)
     return metrics
+
+
+def is_eval_metrics(p: Path) -> bool:
+    """metrics.json as `evaluate` writes it."""
+    m = json.loads(p.read_text(encoding="utf-8"))
+    return isinstance(m, dict) and {"n", "accuracy_strict", "accuracy_lenient"} <= set(m)
 
 
 def eval_metrics(tapes_path: Path, problem_ids: list[str], *, iteration: int, model_label: str, backend: str,
