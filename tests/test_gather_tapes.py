@@ -367,3 +367,13 @@ def test_stats_count_a_cut_completion_as_not_correct(tmp_path):
     assert stats["mean_reward"] == round((1.0 - 1.0 - 1.0 + 0.0) / 4, 4)
     assert stats["outcomes"] == {"correct": 1, "overflow": 2, "wrong": 1}
     assert by_id(out)["cut"]["answer"]["correct_strict"] is True
+
+
+def test_stats_count_each_tape_id_once(tmp_path):
+    """A tapes file concatenated twice (cat a b > c): stats counts what filter and gather-tapes keep."""
+    from gsm8kctl.stages.stats import file_stats
+
+    lines = jsonl([our_tape("a0"), our_tape("a1", correct=False, attempt=1)])
+    write(tmp_path / "twice.jsonl", lines + lines + jsonl([our_tape("a0", correct=False)]))
+    stats = file_stats(read_jsonl(tmp_path / "twice.jsonl"))
+    assert (stats["count"], stats["duplicate_ids"], stats["accuracy_strict"]) == (2, 3, 0.5)

@@ -90,6 +90,7 @@ def is_samples_record(record: dict) -> bool:
 
 def file_stats(records: Iterable[dict] | Iterable[tuple[str, dict]]) -> dict:
     """Stats of a tapes or a samples stream, told apart by the first record; every record checked.
+    Tapes count once per id (`duplicate_ids` says how many repeats were left out).
 
     Records are dicts or (`file:line`, dict) pairs; a `read_jsonl` iterator names each line
     through its `where`. A record that is neither a tape nor a sample (or is the other kind) is a
@@ -121,10 +122,26 @@ def file_stats(records: Iterable[dict] | Iterable[tuple[str, dict]]) -> dict:
         return {"kind": "empty", "count": 0}
     samples = is_samples_record(head[1])
     stream = checked(chain([head], pairs), check_sample if samples else check_tape)
-    result = samples_stats(stream) if samples else tape_stats(stream)
+    if samples:
+        result = samples_stats(stream)
+    else:
+        duplicates = Counter()
+        result = tape_stats(_first_of_each_id(stream, duplicates))
+        result["duplicate_ids"] = duplicates["tapes"]
     if refused:
         raise refused[0]
     return result
+
+
+def _first_of_each_id(tapes: Iterable[dict], dropped: Counter) -> Iterator[dict]:
+    """Each tape id once, as filter and gather-tapes count them (a file concatenated twice, say)."""
+    seen: set[str] = set()
+    for t in tapes:
+        if t["id"] in seen:
+            dropped["tapes"] += 1
+            continue
+        seen.add(t["id"])
+        yield t
 
 
 def render_table(stats: dict, title: str) -> None:
