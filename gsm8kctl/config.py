@@ -3,9 +3,10 @@
 One merge function, no object instantiation. Overrides are `key.sub=value` or `+key.sub=value`
 (Hydra's "add" syntax, accepted as a plain override); values parse as YAML scalars. Typed CLI
 options (--attempts, --max-tokens ...) merge last. The merged config is then checked once,
-completely, against the typed schema in `config_schema.py`: a bad value is one UserError that
-names the key and where the value came from (the file, the override or the option), raised
-before any model loads or file is written. The config stays a plain dict (`cfg["sampling"]["max_tokens"]`).
+completely, against the typed schema in `config_schema.py` (each override also as it is merged,
+so an option that wins cannot hide it): a bad value is one UserError that names the key and where
+the value came from (the file, the override or the option), raised before any model loads or
+file is written. The config stays a plain dict (`cfg["sampling"]["max_tokens"]`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,51 @@ CONFIG_FILE = "config.yaml"
 DEFAULTS_SOURCE = "gsm8kctl/configs/default.yaml"
 
 
+class _DuplicateKey(yaml.MarkedYAMLError):
+    """A key given twice in one mapping; the mark is the second one."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last, silently."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict = {}
+        for key_node, _ in node.value:  # before SafeLoader flattens `<<` merges, which may repeat keys
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in first_line:
+                    raise _DuplicateKey(problem=f"duplicate key {key!r} (first on line {first_line[key]})",
+                                        problem_mark=key_node.start_mark)
+                first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def default_config() -> dict:
     text = resources.files("gsm8kctl").joinpath("configs/default.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text)
+    return yaml.load(text, Loader=_ConfigLoader)
+
+
+def _read_file(p: Path) -> dict:
+    """A --config file's mapping; bytes that are not UTF-8, bad YAML and a key given twice are
+    refused with the file and line."""
+    if not p.exists():
+        raise UserError(f"{p}: no such config file")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{p}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        data = yaml.load(text, Loader=_ConfigLoader) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        what = exc.problem if isinstance(exc, _DuplicateKey) else "invalid YAML"
+        raise UserError(f"{p}{line}: {what}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a mapping of config keys")
+    return data
 
 
 _DEFAULTS: dict | None = None
@@ -58,8 +101,18 @@ def _option_source(dotted: str) -> str:
     return f"option --{dotted.rsplit('.', 1)[-1].replace('_', '-')}"
 
 
-def _merge(base: dict, update: dict, where: str, origins: dict[str, str], prefix: str = "") -> None:
-    """Copy `update` onto `base` (keys must exist there); record in `origins` who set each key."""
+def _checked(dotted: str, value: Any, where: str) -> Any:
+    try:
+        return schema.check_value(schema.field_type(dotted), value)
+    except schema.Invalid as exc:
+        raise UserError(f"{where}: {dotted} {exc.explain(value)}") from None
+
+
+def _merge(base: dict, update: dict, where: str, origins: dict[str, str], prefix: str = "",
+           check: bool = False) -> None:
+    """Copy `update` onto `base` (keys must exist there); record in `origins` who set each key.
+    `check`: judge (and normalise) each value now, not only the final config, where a later
+    source would hide it."""
     for k, v in update.items():
         full = f"{prefix}{k}"
         if k not in base:
@@ -69,9 +122,9 @@ def _merge(base: dict, update: dict, where: str, origins: dict[str, str], prefix
                 continue
             if not isinstance(v, dict):
                 raise UserError(f"{where}: '{full}' is a section, not a value")
-            _merge(base[k], v, where, origins, full + ".")
+            _merge(base[k], v, where, origins, full + ".", check)
         else:
-            base[k] = v
+            base[k] = _checked(full, v, where) if check else v
             origins.pop(full, None)  # re-inserted last: a rule between keys blames the latest setter
             origins[full] = where
 
@@ -142,20 +195,12 @@ def load_config(config_file: str | Path | None = None, overrides: Iterable[str] 
     origins: dict[str, str] = {}
     if config_file:
         p = Path(config_file)
-        if not p.exists():
-            raise UserError(f"{p}: no such config file")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark else ""
-            raise UserError(f"{p}{line}: invalid YAML") from None
-        if not isinstance(data, dict):
-            raise UserError(f"{p}: expected a mapping of config keys")
-        _merge(cfg, data, str(p), origins)
+        # Not checked per value: a preset's bad key may be fixed on the command line.
+        _merge(cfg, _read_file(p), str(p), origins)
     for text in overrides:
         key, value = parse_override(text)
-        _merge(cfg, _nested(key, value), f"override '{text}'", origins)
+        # Checked as typed: `sampling.max_tokens=abc --max-tokens 4` is a mistake, not a preference.
+        _merge(cfg, _nested(key, value), f"override '{text}'", origins, check=True)
     for key, value in (options or {}).items():
         if value is not None:
             _merge(cfg, _nested(key, value), _option_source(key), origins)
@@ -172,13 +217,7 @@ def get(cfg: dict, dotted: str) -> Any:
 def set_value(cfg: dict, dotted: str, value: Any, where: str | None = None) -> None:
     """Set one existing key, checked against the schema (stages apply their typed options with this)."""
     where = where or _option_source(dotted)
-    _merge(cfg, _nested(dotted, value), where, {})
-    parent = get(cfg, dotted.rsplit(".", 1)[0]) if "." in dotted else cfg
-    leaf = dotted.rsplit(".", 1)[-1]
-    try:
-        parent[leaf] = schema.check_value(schema.field_type(dotted), value)
-    except schema.Invalid as exc:
-        raise UserError(f"{where}: {dotted} {exc.explain(value)}") from None
+    _merge(cfg, _nested(dotted, value), where, {}, check=True)
     try:
         for _rule, message in schema.broken_rules(cfg, involving=dotted):
             raise UserError(f"{where}: {message}")

@@ -17,10 +17,10 @@ import pytest
 from badinput import Case, run_case
 
 
-def files(contents: dict[str, str]):
+def files(contents: dict[str, str | bytes]):
     def setup(tmp: Path) -> None:
-        for name, text in contents.items():
-            (tmp / name).write_text(text)
+        for name, data in contents.items():
+            (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
 
     return setup
 
@@ -57,9 +57,19 @@ CASES = [
     Case("sample-config-file", [*SAMPLE, "--config", "{tmp}/bad.yaml"],
          "{tmp}/bad.yaml: sampling.top_p must be in (0, 1], got 0",
          files({"bad.yaml": "sampling:\n  top_p: 0\n"})),
+    Case("sample-config-not-utf8", [*SAMPLE, "--config", "{tmp}/bad.yaml"],
+         "{tmp}/bad.yaml:2: not UTF-8 (byte 0xff at offset 8)", files({"bad.yaml": b"seed: 1\n\xff\xfe: 2\n"})),
+    Case("sample-config-duplicate-key", [*SAMPLE, "--config", "{tmp}/dup.yaml"],
+         "{tmp}/dup.yaml:3: duplicate key 'max_tokens' (first on line 2)",
+         files({"dup.yaml": "sampling:\n  max_tokens: 8\n  max_tokens: 16\n"})),
+    # A typed option wins over the override, but the override is still checked.
+    Case("sample-bad-override-under-option", [*SAMPLE, "--max-tokens", "4", "sampling.max_tokens=abc"],
+         "override 'sampling.max_tokens=abc': sampling.max_tokens must be an integer, got 'abc'"),
     # --- evaluate
     Case("evaluate-max-tokens-option-0", [*EVALUATE, "--max-tokens", "0"],
          "option --max-tokens: evaluation.max_tokens must be >= 1"),
+    Case("evaluate-config-not-utf8", [*EVALUATE, "--config", "{tmp}/bad.yaml"], "{tmp}/bad.yaml:1: not UTF-8",
+         files({"bad.yaml": "model: caf\xe9\n".encode("latin-1")})),
     Case("evaluate-eval-limit-0", [*EVALUATE, "eval_limit=0"], "eval_limit must be >= 1 or null, got 0"),
     Case("sample-native-without-slots", [*SAMPLE, "transformers.model_code=native", "transformers.static_cache=false"],
          "transformers.model_code=native runs under the slot engine only, got transformers.static_cache=false"),
@@ -99,6 +109,11 @@ CASES = [
     Case("loop-config-file", [*LOOP, "--config", "{tmp}/bad.yaml"],
          "{tmp}/bad.yaml: finetune.rl.algo must be one of reinforce, grpo, got 'ppo'",
          files({"bad.yaml": "finetune:\n  rl:\n    algo: ppo\n"})),
+    Case("loop-config-duplicate-section", [*LOOP, "--config", "{tmp}/dup.yaml"],
+         "{tmp}/dup.yaml:4: duplicate key 'sampling' (first on line 1)",
+         files({"dup.yaml": "sampling:\n  top_p: 0.5\nseed: 3\nsampling:\n  max_tokens: 8\n"})),
+    Case("loop-bad-override-under-option", [*LOOP, "--attempts", "4", "attempts=four"],
+         "override 'attempts=four': attempts must be an integer, got 'four'"),
     # --- stats reads no config: a key=value argument is a path, and says so
     Case("stats-takes-no-config", ["stats", "attempts=0"], "attempts=0"),
 ]

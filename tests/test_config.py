@@ -289,9 +289,49 @@ def test_bad_value_in_file_names_file(tmp_path):
 def test_bad_value_in_option_names_option():
     with pytest.raises(UserError, match=re.escape("option --max-tokens: sampling.max_tokens must be >= 1, got 0")):
         load_config(None, [], options={"sampling.max_tokens": 0})
-    # An option wins over a bad override of the same key: only the final value is judged.
-    cfg = load_config(None, ["attempts=0"], options={"attempts": 3, "model": None})
+    # An option wins over an override of the same key...
+    cfg = load_config(None, ["attempts=2"], options={"attempts": 3, "model": None})
     assert cfg["attempts"] == 3 and cfg["model"] == "smollm2-135m"
+    # ... but a bad override is still refused: it would otherwise vanish without a word.
+    with pytest.raises(UserError, match=re.escape("override 'attempts=0': attempts must be >= 1, got 0")):
+        load_config(None, ["attempts=0"], options={"attempts": 3})
+    with pytest.raises(UserError, match=re.escape("override 'sampling.max_tokens=abc': sampling.max_tokens "
+                                                  "must be an integer, got 'abc'")):
+        load_config(None, ["sampling.max_tokens=abc", "sampling.max_tokens=8"])
+
+
+def test_bad_file_value_may_be_fixed_by_a_later_source(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("attempts: 0\n")
+    assert load_config(f, ["attempts=2"])["attempts"] == 2
+    assert load_config(f, options={"attempts": 3})["attempts"] == 3
+
+
+def test_config_file_not_utf8_names_file_and_line(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_bytes(b"seed: 1\n\xff\xfe: 2\n")
+    with pytest.raises(UserError, match=re.escape(f"{f}:2: not UTF-8 (byte 0xff at offset 8)")):
+        load_config(f)
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("sampling:\n  max_tokens: 8\n  max_tokens: 16\n", 3, "max_tokens", 2),
+    ("sampling:\n  top_p: 0.5\nseed: 3\nsampling:\n  max_tokens: 8\n", 4, "sampling", 1),
+    ("finetune: {rl: {algo: grpo, algo: reinforce}}\n", 1, "algo", 1),
+])
+def test_duplicate_key_in_file_names_file_line_and_key(tmp_path, text, line, key, first):
+    f = tmp_path / "x.yaml"
+    f.write_text(text)
+    with pytest.raises(UserError, match=re.escape(f"{f}:{line}: duplicate key '{key}' (first on line {first})")):
+        load_config(f)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    """`<<: *anchor` then a key of the anchor's is YAML's way to override it, not a repeat."""
+    f = tmp_path / "x.yaml"
+    f.write_text("evaluation:\n  <<: {max_tokens: 8, batch_size: 2}\n  max_tokens: 16\n")
+    cfg = load_config(f)
+    assert cfg["evaluation"] == {"max_tokens": 16, "batch_size": 2}
 
 
 def test_later_source_is_blamed_for_its_value(tmp_path):
