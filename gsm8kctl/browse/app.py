@@ -49,6 +49,10 @@ from gsm8kctl.errors import UserError
 HERE = Path(__file__).parent
 DEFAULT_PER_PAGE = 50
 MAX_PER_PAGE = 500
+# Query integers go to SQLite, whose integers are 64-bit: a larger one is an OverflowError (a 500).
+# A page is also multiplied into an OFFSET; no list has a billion pages.
+MAX_INT = 2**63 - 1
+MAX_PAGE = 10**9
 MAX_PARAM_CHARS = 300
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _MAIN_STEP_KINDS = ("question", "reasoning", "answer")
@@ -163,7 +167,7 @@ def _get(qp: QueryParams, name: str) -> str | None:
     return raw.strip()
 
 
-def _int(qp: QueryParams, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(qp: QueryParams, name: str, lo: int = -MAX_INT, hi: int = MAX_INT) -> int | None:
     raw = _get(qp, name)
     if raw is None:
         return None
@@ -171,9 +175,8 @@ def _int(qp: QueryParams, name: str, lo: int | None = None, hi: int | None = Non
         v = int(raw)
     except ValueError:
         raise _bad(name, raw, "expected an integer") from None
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
-        raise _bad(name, raw, f"out of range {bounds}")
+    if not lo <= v <= hi:
+        raise _bad(name, raw, f"out of range {lo}..{hi}")
     return v
 
 
@@ -219,7 +222,7 @@ class _ListContext:
             file=_int(qp, "file", lo=0, hi=max(0, n_files - 1)),
         )
         self.sort = _choice(qp, "sort", SORTS) or "file"
-        self.page = _int(qp, "page", lo=1) or 1
+        self.page = _int(qp, "page", lo=1, hi=MAX_PAGE) or 1
         self.per_page = _int(qp, "per_page", lo=1, hi=MAX_PER_PAGE) or DEFAULT_PER_PAGE
 
     def params(self, **extra) -> dict:
@@ -410,7 +413,7 @@ class _State:
 
     def call_list(self, request: Request) -> Response:
         qp = request.query_params
-        page = _int(qp, "page", lo=1) or 1
+        page = _int(qp, "page", lo=1, hi=MAX_PAGE) or 1
         tape_id = _text(qp, "tape")
         if not self.calls.available:
             return self.render(request, "calls.html", rows=[], total=0, page=1, pages=1, tape=tape_id,
