@@ -92,7 +92,7 @@ def with_bad_utf8_at_line_3(records: list) -> bytes:
 TAPES = "{tmp}/t.jsonl"
 SAMPLES = "{tmp}/s.jsonl"
 OUT = "{tmp}/out.jsonl"
-OLD_OUT = ["previous samples, kept as they are"]  # a pre-existing output: must stay unchanged
+OLD_OUT = [{"note": "previous samples, kept as they are"}]  # a pre-existing output: must stay unchanged
 SAMPLE_CMD = ["sample", "-o", "{tmp}/tapes.jsonl", "--data-dir", "{tmp}/data", "--model", "{tiny}",
               "--backend", "transformers", "--n-problems", "2", "-q"]
 FINETUNE = ["finetune", SAMPLES, "-o", "{tmp}/run", "--init", "{tiny}", "-q"]

@@ -356,7 +356,7 @@ PATHS = [
     Case("sample-refused-writes-no-config", ["sample", "-o", T, "--problem-ids", "train-99999", "--model", "{tiny}"],
          "train-99999"),
     Case("loop-refused-keeps-config", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}", *DATA],
-         "{tmp}/data/train.jsonl", both(data_dir(train=""), files(run__config_yaml="seed: 3\n"))),
+         "{tmp}/data/train.jsonl", both(data_dir(train=""), files(run__config_yaml=SAVED_CONFIG))),
 ]
 
 # --------------------------------------------------------------------------------------------
