@@ -254,20 +254,22 @@ class JsonlAppender:
             return
         view = memoryview(data)
         start = None  # where this line began, once a short write (a full disk?) cut it
-        with naming(self.path):
-            try:
-                while view:
-                    written = os.write(self._fd, view)
-                    if start is None and written < len(data):
-                        start = os.fstat(self._fd).st_size - written
-                    view = view[written:]
-            except OSError:
-                if start is not None:  # take the cut line back: the file stays whole lines
-                    os.ftruncate(self._fd, start)
-                raise
+        try:  # a plain try, not `naming`: this runs once per tape
+            while view:
+                written = os.write(self._fd, view)
+                if start is None and written < len(data):
+                    start = os.fstat(self._fd).st_size - written
+                view = view[written:]
             self._count += 1
             if self.fsync_every and self._count % self.fsync_every == 0:
                 os.fsync(self._fd)
+        except OSError as exc:
+            if start is not None:  # take the cut line back: the file stays whole lines
+                os.ftruncate(self._fd, start)
+            named = _with_path(exc, self.path)
+            if named is exc:
+                raise
+            raise named from exc
 
     def close(self) -> None:
         if self._fd is not None:
@@ -332,15 +334,23 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 STDOUT_NAME = "<stdout>"  # what an error line calls `-o -`, as reading calls stdin <stdin>
 
 
+def _with_path(exc: OSError, path: str | Path) -> OSError:
+    """`exc`, or for a write error that came without a file name (a full disk) the same one naming `path`."""
+    if exc.filename is not None or exc.errno not in WRITE_ERRNOS:
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))
+
+
 @contextlib.contextmanager
 def naming(path: str | Path):
     """Within: a write error that came without a file name (a full disk) is raised with `path`."""
     try:
         yield
     except OSError as exc:
-        if exc.filename is not None or exc.errno not in WRITE_ERRNOS:
+        named = _with_path(exc, path)
+        if named is exc:
             raise
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise named from exc
 
 
 def _umask() -> int:

@@ -14,13 +14,10 @@ what is timed is moving them, not computing them.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,14 +31,9 @@ def load_logprobs(rev: str | None):
         import gsm8kctl.logprobs as mod
 
         return mod
-    source = subprocess.run(["git", "show", f"{rev}:gsm8kctl/logprobs.py"], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "logprobs_at_rev.py"
-    path.write_text(source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("logprobs_at_rev", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from module_at import module_at
+
+    return module_at(rev, "gsm8kctl/logprobs.py")
 
 
 def cut_rows_per_row(lp, mask, group, out):
