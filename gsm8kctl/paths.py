@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -109,9 +110,16 @@ def check_output_dir(path: str | Path, *, option: str = "-o", files: Iterable[st
         _refuse_clobber(f, option, inputs, data_dir)
 
 
-def check_replaceable(path: str | Path, *, option: str, looks_ours: Callable[[Path], bool], what: str) -> None:
-    """An existing file that an output replaces whole must be one a stage wrote (`looks_ours`):
-    a rerun replaces its own output, but a user's file that happens to sit there is refused.
+@dataclass(frozen=True)
+class OwnFile:
+    """A kind of file a stage writes whole: how to recognise one, and what to call it in an error."""
+    looks_ours: Callable[[Path], bool]
+    what: str
+
+
+def check_replaceable(path: str | Path, *, option: str, kind: OwnFile) -> None:
+    """An existing file that an output replaces whole must be one a stage wrote (`kind`): a rerun
+    replaces its own output, but a user's file that happens to sit there is refused.
 
     Empty files and what is not a regular file (`/dev/null`) are fine to write into.
     """
@@ -119,23 +127,21 @@ def check_replaceable(path: str | Path, *, option: str, looks_ours: Callable[[Pa
     if str(path) == "-" or not p.is_file() or p.stat().st_size == 0:
         return
     try:
-        ours = looks_ours(p)
+        ours = kind.looks_ours(p)
     except (OSError, ValueError):  # unreadable, not UTF-8, not JSON/YAML: not ours either
         ours = False
     if not ours:
-        raise UserError(f"{p}: {option} would replace this file, which is not {what}; move it away or "
+        raise UserError(f"{p}: {option} would replace this file, which is not {kind.what}; move it away or "
                         "choose another path")
 
 
-def first_line_is_json_object(p: Path) -> bool:
-    """The file starts with a JSON object line: a JSONL file of records (ours, or one to replace)."""
+def _first_line_is_json_object(p: Path) -> bool:
     with open(p, "rb") as f:
         line = f.readline(64 << 20)
     return isinstance(json.loads(line), dict)
 
 
-def is_saved_config(p: Path) -> bool:
-    """A resolved config as `save_config` writes it: a YAML mapping with the config's main sections."""
+def _is_saved_config(p: Path) -> bool:
     import yaml
 
     try:
@@ -143,3 +149,9 @@ def is_saved_config(p: Path) -> bool:
     except yaml.YAMLError:
         return False
     return isinstance(cfg, dict) and {"model", "sampling", "finetune"} <= set(cfg)
+
+
+# What filter and gather-tapes write: JSONL records (a user's text or JSON list is not).
+JSONL_RECORDS = OwnFile(_first_line_is_json_object, "a JSONL file of records")
+# What save_config writes: a YAML mapping with the config's main sections.
+SAVED_CONFIG = OwnFile(_is_saved_config, "a config a stage saved")

@@ -14,7 +14,7 @@ from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.data import load_problems, select_problems
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl
-from gsm8kctl.paths import check_output_dir, check_replaceable, is_saved_config
+from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
 from gsm8kctl.progress import say
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
@@ -31,8 +31,8 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
         raise UserError("-o -: evaluate writes a directory (tapes, metrics.json, config.yaml); give its path, "
                         "and --json for the metrics on stdout")
     check_output_dir(out, option="-o", files=(TAPES_FILE, METRICS_FILE, CONFIG_FILE), data_dir=cfg["data_dir"])
-    check_replaceable(out / CONFIG_FILE, option="-o", looks_ours=is_saved_config, what="a config a stage saved")
-    check_replaceable(out / METRICS_FILE, option="-o", looks_ours=is_eval_metrics, what="evaluate's metrics")
+    check_replaceable(out / CONFIG_FILE, option="-o", kind=SAVED_CONFIG)
+    check_replaceable(out / METRICS_FILE, option="-o", kind=EVAL_METRICS)
     calls_db = calls_db or str(out / LLM_CALLS_FILE)
     check_calls_db(calls_db, str(tapes_path), cfg["data_dir"])
     existing = existing_output(str(tapes_path))
@@ -65,10 +65,12 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     return metrics
 
 
-def is_eval_metrics(p: Path) -> bool:
-    """metrics.json as `evaluate` writes it."""
+def _is_eval_metrics(p: Path) -> bool:
     m = json.loads(p.read_text(encoding="utf-8"))
     return isinstance(m, dict) and {"n", "accuracy_strict", "accuracy_lenient"} <= set(m)
+
+
+EVAL_METRICS = OwnFile(_is_eval_metrics, "evaluate's metrics")  # metrics.json as evaluate writes it
 
 
 def eval_metrics(tapes_path: Path, problem_ids: list[str], *, iteration: int, model_label: str, backend: str,

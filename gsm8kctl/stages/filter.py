@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Sequence
 
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import write_jsonl
-from gsm8kctl.paths import check_output_file, check_replaceable, first_line_is_json_object
+from gsm8kctl.paths import JSONL_RECORDS, check_output_file, check_replaceable
 from gsm8kctl.progress import console, say
 from gsm8kctl.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
 from gsm8kctl.tapes import check_tape
@@ -371,7 +371,7 @@ def run_filter(
     """
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
-    check_replaceable(out, option="-o", looks_ours=first_line_is_json_object, what="a JSONL file (samples)")
+    check_replaceable(out, option="-o", kind=JSONL_RECORDS)
     from gsm8kctl.rundir import START_MODEL
 
     if (ref_model or cfg["filter"]["ref_model"]) == START_MODEL:

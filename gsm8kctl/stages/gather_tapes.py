@@ -37,7 +37,7 @@ from rich.markup import escape
 from gsm8kctl import agent
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import write_jsonl
-from gsm8kctl.paths import check_output_file, check_replaceable, first_line_is_json_object, is_inside
+from gsm8kctl.paths import JSONL_RECORDS, check_output_file, check_replaceable, is_inside
 from gsm8kctl.progress import console
 from gsm8kctl.tapes import TAPE_KEYS
 
@@ -166,7 +166,7 @@ def _check_out(out: str, sources: list[str]) -> None:
     """-o must not replace a source: not one of the files, not a file inside a source directory
     (a TapeAgents tapes.json there would be overwritten by its converted copy)."""
     check_output_file(out, option="-o", inputs=[s for s in sources if s != "-" and Path(s).is_file()])
-    check_replaceable(out, option="-o", looks_ours=first_line_is_json_object, what="a JSONL file (tapes)")
+    check_replaceable(out, option="-o", kind=JSONL_RECORDS)
     if out == "-":
         return
     for s in sources:

@@ -22,7 +22,7 @@ from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
-from gsm8kctl.paths import check_output_dir, check_replaceable, is_saved_config
+from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
 from gsm8kctl.procs import StageRecord
 from gsm8kctl.progress import console, say
 from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PHASES, RUN_METRICS_FILE, START_ITERATION,
@@ -157,12 +157,15 @@ def _mean(values: list[float]) -> float:
 
 
 def _is_run_metrics(p: Path) -> bool:
-    """RUN/metrics.jsonl as the record phase writes it: every line an object with its iteration
-    (read whole now, since the record phase rewrites it after the iteration's work)."""
+    # Read whole now: the record phase rewrites it only after the iteration's work.
     try:
         return all(isinstance(r.get("iteration"), int) for r in read_jsonl(p))
     except UserError:
         return False
+
+
+# RUN/metrics.jsonl as the record phase writes it: every line an object with its iteration.
+RUN_METRICS = OwnFile(_is_run_metrics, "a loop's metrics (one line per iteration)")
 
 
 def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
@@ -171,9 +174,8 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
     check_output_dir(run, option="--run-dir", files=(CONFIG_FILE, STATE_FILE, RUN_METRICS_FILE),
                      data_dir=cfg["data_dir"])
     check_log(run / LLM_CALLS_FILE)
-    check_replaceable(run / CONFIG_FILE, option="--run-dir", looks_ours=is_saved_config, what="a config a stage saved")
-    check_replaceable(run / RUN_METRICS_FILE, option="--run-dir", looks_ours=_is_run_metrics,
-                      what="a loop's metrics (one line per iteration)")
+    check_replaceable(run / CONFIG_FILE, option="--run-dir", kind=SAVED_CONFIG)
+    check_replaceable(run / RUN_METRICS_FILE, option="--run-dir", kind=RUN_METRICS)
     if cfg["attempts"] < 1 or cfg["max_agent_forks"] < cfg["attempts"]:
         raise UserError("need attempts >= 1 and max_agent_forks >= attempts "
                         f"(got attempts={cfg['attempts']}, max_agent_forks={cfg['max_agent_forks']})")

@@ -14,7 +14,7 @@ from gsm8kctl.attempts import check_calls_db, existing_output, open_backend, run
 from gsm8kctl.backends import Backend, SamplingParams
 from gsm8kctl.config import save_config
 from gsm8kctl.data import load_problems, select_problems
-from gsm8kctl.paths import check_output_file, check_replaceable, is_saved_config
+from gsm8kctl.paths import SAVED_CONFIG, check_output_file, check_replaceable
 from gsm8kctl.progress import say
 from gsm8kctl.tapes import LLM_CALLS_FILE
 
@@ -29,8 +29,7 @@ def sample(cfg: dict, *, out: str, split: str = "train", n_problems: int | None 
     check_output_file(out, option="-o", data_dir=cfg["data_dir"], append=True)
     if config_path is not None:
         check_output_file(config_path, option="-o (its config)", inputs=[out], data_dir=cfg["data_dir"])
-        check_replaceable(config_path, option="-o (its config)", looks_ours=is_saved_config,
-                          what="a config a stage saved")
+        check_replaceable(config_path, option="-o (its config)", kind=SAVED_CONFIG)
     check_calls_db(calls_db, out, cfg["data_dir"])
     existing = existing_output(out)
     problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=n_problems,
