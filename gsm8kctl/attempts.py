@@ -6,8 +6,9 @@ the loop's in-process engine.
 - the missing attempts of a tapes file: attempts already in the output are skipped, so rerunning
   the same command after a crash appends only what is missing (`existing_output`,
   `done_attempts`);
-- one request per attempt, seeded from its tape id, so an attempt redone after a crash draws the
-  same randomness whatever else shares its batch (`run_attempts`);
+- one request per attempt, seeded from (seed, problem, iteration, attempt), so an attempt redone
+  after a crash, or run in another run directory, draws the same randomness whatever else shares
+  its batch (`run_attempts`);
 - the writer thread, which writes calls then tapes: calls are written before their tapes in one
   sqlite transaction per batch; a tape id is deterministic, so an attempt redone after a crash
   replaces its call instead of adding a second one.
@@ -23,7 +24,7 @@ from pathlib import Path
 from gsm8kctl import agent, llm_calls
 from gsm8kctl.backends import Backend, Completion, SamplingParams, get_backend, resolve_backend_name
 from gsm8kctl.chat import render_prompt
-from gsm8kctl.data import load_problems
+from gsm8kctl.data import split_problems
 from gsm8kctl.errors import UserError
 from gsm8kctl.hostgate import HostGate
 from gsm8kctl.jsonl import AppendTarget, JsonlAppender, scan_for_append
@@ -129,7 +130,7 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
     if skipped:
         say(f"{out}: {skipped} attempts already there, sampling the {sum(len(v) for v in missing.values())} missing",
             quiet)
-    pool = load_problems("train", cfg["data_dir"]) if cfg["agent"]["few_shot"] > 0 else []
+    pool = split_problems(cfg, "train") if cfg["agent"]["few_shot"] > 0 else []  # never a held-out one
     # The call log is opened, written and closed by the writer thread alone (sqlite
     # connections belong to the thread that made them).
     log: dict = {}
@@ -140,14 +141,16 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
         return log.get("db")
 
     by_id = {p["id"]: p for p in problems}
-    # One request per missing attempt, seeded from its tape id: an attempt redone after a crash
+    # One request per missing attempt, seeded by what identifies it: an attempt redone after a crash
     # draws the same randomness whatever else shares its batch (sampling.py says what that buys).
     jobs = [(by_id[pid], attempt) for pid, todo in missing.items() for attempt in todo]
     rendered = {pid: prompt_for(cfg, backend.tokenizer, by_id[pid], pool) for pid in missing}
     ids_of = {(p["id"], attempt): tape_id(p["id"], iteration, attempt, model_label) for p, attempt in jobs}
     from gsm8kctl.backends.sampling import completion_seed  # imports torch: not before the input checks
 
-    seeds = None if params.seed is None else [completion_seed(params.seed, ids_of[(p["id"], a)]) for p, a in jobs]
+    # From the seed, the problem, the iteration and the attempt only: not the model's path, which
+    # after a warm start lies inside the run directory, so one seed samples the same tokens anywhere.
+    seeds = None if params.seed is None else [completion_seed(params.seed, p["id"], iteration, a) for p, a in jobs]
     stats = {"tapes": 0, "tokens": 0, "skipped": skipped}
     if existing is not None:
         existing.repair()  # our own half-written last line goes, a whole one gets its newline

@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from gsm8kctl.config import load_config
-from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, UserError
+from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, Stopped, UserError
 from gsm8kctl.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
 
 app = typer.Typer(
@@ -86,7 +86,7 @@ def _handle_errors(fn):
                 raise
             typer.echo(f"Error: {exc}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT)
-        except StageFailed as exc:
+        except (StageFailed, Stopped) as exc:
             if os.environ.get("GSM8KCTL_DEBUG"):
                 raise
             typer.echo(f"Error: {exc}", err=True)
@@ -153,7 +153,8 @@ def sample(
     model: ModelOpt = None,
     backend: BackendOpt = None,
     base_url: BaseUrlOpt = None,
-    split: Annotated[str, typer.Option(help="train | test.")] = "train",
+    split: Annotated[str, typer.Option(help="train | validation | test (validation: train problems held out "
+                                            "by seed; train: the rest).")] = "train",
     n_problems: Annotated[Optional[int], typer.Option(help="The first N problems of the split.")] = None,
     problem_ids: Annotated[Optional[str], typer.Option(help="Comma-separated ids, e.g. train-00042.")] = None,
     attempts: Annotated[Optional[int], typer.Option(help="Completions per problem.")] = None,
@@ -190,7 +191,10 @@ def evaluate(
     model: ModelOpt = None,
     backend: BackendOpt = None,
     base_url: BaseUrlOpt = None,
-    limit: Annotated[Optional[int], typer.Option(help="First K test problems (default: all 1319).")] = None,
+    split: Annotated[str, typer.Option(help="test | validation (train problems held out by seed, "
+                                            "validation_problems of them) | train.")] = "test",
+    limit: Annotated[Optional[int], typer.Option(help="First K problems of the split (default: eval_limit; "
+                                                      "null = all).")] = None,
     problem_ids: Annotated[Optional[str], typer.Option(help="Comma-separated ids instead, e.g. test-00042.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option()] = None,
     iteration: Annotated[int, typer.Option(min=-1, help="Iteration number recorded in the tapes (-1: before a warm start).")] = 0,
@@ -201,14 +205,16 @@ def evaluate(
     quiet: QuietOpt = False,
     overrides: Overrides = None,
 ):
-    """Greedy accuracy on the test split, strict (\\boxed{}) and lenient side by side."""
+    """Greedy accuracy on a split (default test), strict (\\boxed{}) and lenient side by side."""
     from gsm8kctl.stages.evaluate import evaluate as run
     from gsm8kctl.stages.stats import render_table
 
     cfg = _config(config, overrides, model=model, backend=backend,
                   **{"openai.base_url": base_url, "evaluation.max_tokens": max_tokens, "data_dir": str(data_dir) if data_dir else None})
     ids = _problem_ids(problem_ids, limit, "--limit")
-    metrics = run(cfg, out_dir=out, limit=limit if limit is not None else cfg["eval_limit"],
+    if limit is None and split == "test":
+        limit = cfg["eval_limit"]  # eval_limit is the loop's test budget; a validation split is small already
+    metrics = run(cfg, out_dir=out, limit=limit, split=split,
                   calls_db=llm_calls, iteration=iteration, quiet=quiet, problem_ids=ids)
     if json_out:
         _print_json(metrics)
@@ -249,7 +255,8 @@ def filter_(
     ref_model: Annotated[Optional[str], typer.Option(help="Reference model for ref_logprobs / KL.")] = None,
     ref_backend: Annotated[Optional[str], typer.Option(help="Backend that scores with the reference.")] = None,
     gold: Annotated[bool, typer.Option("--gold", help="SFT samples from GSM8k gold solutions instead of tapes.")] = False,
-    split: Annotated[str, typer.Option(help="With --gold: train | test.")] = "train",
+    split: Annotated[str, typer.Option(help="With --gold: train | validation | test (train never holds a "
+                                            "validation problem).")] = "train",
     n_problems: Annotated[Optional[int], typer.Option(help="With --gold: the first N problems.")] = None,
     model: ModelOpt = None,
     data_dir: DataDirOpt = None,
@@ -313,9 +320,11 @@ def loop(
     """The RL loop: evaluate, sample, filter, finetune, record; crash-safe resume."""
     from gsm8kctl.stages.loop import loop as run
 
-    cfg = _config(config, overrides, "loop", attempts=attempts, iterations=iterations, model=model, backend=backend,
-                  data_dir=str(data_dir) if data_dir else None)
-    run(cfg, str(run_dir), quiet=quiet)
+    sizes: dict = {}
+    cfg = load_config(config, overrides or [], command="loop", sizes_chosen=sizes,
+                      options=dict(attempts=attempts, iterations=iterations, model=model, backend=backend,
+                                   data_dir=str(data_dir) if data_dir else None))
+    run(cfg, str(run_dir), quiet=quiet, sizes=sizes)
 
 
 @app.command(name="gather-tapes")

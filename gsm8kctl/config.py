@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from gsm8kctl import config_schema as schema
+from gsm8kctl import sizes
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_text
 
@@ -45,9 +46,14 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def default_config() -> dict:
+def default_config(resolved: bool = True) -> dict:
+    """default.yaml as a dict; `resolved`: its `auto` sizes filled in for this machine (sizes.py),
+    as a library caller without a config of its own needs them."""
     text = resources.files("gsm8kctl").joinpath("configs/default.yaml").read_text(encoding="utf-8")
-    return yaml.load(text, Loader=_ConfigLoader)
+    cfg = yaml.load(text, Loader=_ConfigLoader)
+    if resolved:
+        sizes.resolve(cfg)
+    return cfg
 
 
 def _read_file(p: Path) -> dict:
@@ -102,6 +108,8 @@ def _option_source(dotted: str) -> str:
 
 
 def _checked(dotted: str, value: Any, where: str) -> Any:
+    if value == sizes.AUTO and dotted in sizes.SIZE_KEYS:
+        return value  # filled in for the machine once every source is merged
     try:
         return schema.check_value(schema.field_type(dotted), value)
     except schema.Invalid as exc:
@@ -188,10 +196,12 @@ def validate(cfg: dict, origins: Mapping[str, str] | None = None, command: str |
 
 
 def load_config(config_file: str | Path | None = None, overrides: Iterable[str] = (),
-                options: Mapping[str, Any] | None = None, command: str | None = None) -> dict:
+                options: Mapping[str, Any] | None = None, command: str | None = None,
+                sizes_chosen: dict | None = None) -> dict:
     """Defaults, then the YAML file, then `key=value` overrides, then typed `options` (dotted key ->
-    value; None = not given); the result is checked against the schema (and `command`'s rules)."""
-    cfg = default_config()
+    value; None = not given); then the sizes left at `auto` are filled in for the machine (given
+    back in `sizes_chosen`); the result is checked against the schema (and `command`'s rules)."""
+    cfg = default_config(resolved=False)
     origins: dict[str, str] = {}
     if config_file:
         p = Path(config_file)
@@ -204,6 +214,11 @@ def load_config(config_file: str | Path | None = None, overrides: Iterable[str] 
     for key, value in (options or {}).items():
         if value is not None:
             _merge(cfg, _nested(key, value), _option_source(key), origins)
+    chosen = sizes.resolve(cfg)
+    for key in chosen:
+        origins[key] = f"{key}=auto ({cfg['machine']})"
+    if sizes_chosen is not None:
+        sizes_chosen.update(chosen)
     return validate(cfg, origins, command=command, fallback=DEFAULTS_SOURCE)
 
 

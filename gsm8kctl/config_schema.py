@@ -239,6 +239,7 @@ class Finetune:
 class Config:
     model: Name
     backend: Backend
+    machine: Literal["auto", "gpu", "cpu"]           # which column of sizes.SIZE_KEYS `auto` takes
     # numpy and torch take 32-bit seeds; per-rank and per-chunk offsets are added to this one.
     seed: Annotated[int, Range(ge=0, le=2**31 - 1)]
     data_dir: Optional[Name]
@@ -252,6 +253,8 @@ class Config:
     warmup_sft_problems: NonNegInt                    # >= 1 when used (a rule below)
     warmup_sft_learning_rate: Optional[PosFloat]      # null = finetune.learning_rate
     test_before_warmup: bool
+    validation_problems: NonNegInt                    # held out of the train file; 0 = none
+    stop_without_signal: NonNegInt                    # 0 = never stop
     report_to: list[Tracker]
     warn_passes: Optional[PosFloat]
     warn_test_drop: Optional[NonNegFloat]             # accuracy is a fraction: 0.01 = 1 point

@@ -1,8 +1,16 @@
-"""GSM8k problems with stable ids (`train-00042`), from a local directory or the hub (`datasets`)."""
+"""GSM8k problems with stable ids (`train-00042`), from a local directory or the hub (`datasets`).
+
+Three splits for a run: `test` is GSM8k's test file; `validation` is `validation_problems` problems
+of GSM8k's train file held out by `seed`; `train` is the rest of the train file. The held-out
+problems are never sampled for training, never in a warm start or an SFT control, and never
+few-shot examples; the loop chooses its best checkpoint on them, so the test split chooses
+nothing. An id names its file and line (`train-00042`), whichever split holds it.
+"""
 
 from __future__ import annotations
 
 import os
+import random
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +20,8 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import read_jsonl_located
 from gsm8kctl.tapes import shown
 
-SPLITS = ("train", "test")
+FILES = ("train", "test")  # GSM8k's own files
+SPLITS = ("train", "validation", "test")  # a run's splits: validation is held out of the train file
 HUB_DATASET = ("openai/gsm8k", "main")
 # A gold answer as parse_gold returns it (commas removed): every GSM8k gold is an integer; the
 # grader compares numbers, so a word ('seventy-two') could never be matched.
@@ -27,7 +36,7 @@ def data_dir_from(explicit: str | None) -> Path | None:
 
 @lru_cache(maxsize=8)
 def _load_split(split: str, data_dir: str | None) -> tuple[dict, ...]:
-    if split not in SPLITS:
+    if split not in FILES:
         raise UserError(f"unknown split '{split}'; choose train or test")
     if data_dir is not None:
         path = Path(data_dir) / f"{split}.jsonl"
@@ -104,3 +113,38 @@ def select_problems(problems: list[dict], *, n_problems: int | None = None,
     if not chosen:
         raise UserError("no problems selected")
     return chosen
+
+
+def validation_indices(n_train: int, seed: int, n: int) -> frozenset[int]:
+    """Lines of the train file held out for validation: `n` of them, fixed by `seed`."""
+    if n <= 0:
+        return frozenset()
+    if n >= n_train:
+        raise UserError(f"validation_problems={n} would hold out all {n_train} train problems; "
+                        f"give fewer (0 = no validation split)")
+    return frozenset(random.Random(f"{seed}:validation").sample(range(n_train), n))
+
+
+def split_problems(cfg: dict, split: str) -> list[dict]:
+    """The problems of a run's split (module docstring), in file order."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split '{split}'; choose {', '.join(SPLITS)}")
+    if split == "test":
+        return load_problems("test", cfg["data_dir"])
+    train = load_problems("train", cfg["data_dir"])
+    held = validation_indices(len(train), cfg["seed"], cfg["validation_problems"])
+    want = split == "validation"
+    return [p for i, p in enumerate(train) if (i in held) == want]
+
+
+def problems_by_id(cfg: dict, split: str, *, n_problems: int | None = None,
+                   problem_ids: list[str] | None = None) -> list[dict]:
+    """What a stage's --split/--n-problems/--problem-ids pick: the first N of the split, or the
+    ids given, looked up in the file the split comes from (an id is a line of a file: the loop
+    names its training problems by id, and a user may name a held-out one on purpose)."""
+    if problem_ids:
+        if split not in SPLITS:
+            raise UserError(f"unknown split '{split}'; choose {', '.join(SPLITS)}")
+        return select_problems(load_problems("test" if split == "test" else "train", cfg["data_dir"]),
+                               problem_ids=problem_ids)
+    return select_problems(split_problems(cfg, split), n_problems=n_problems)

@@ -102,19 +102,19 @@ class ProcessEngine:
                     *(["--objective", objective] if objective else []))
         return {}
 
-    def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None) -> None:
-        args = ["evaluate", "--model", model, "--quiet", "--iteration", str(iteration)]
+    def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None, split: str = "test") -> None:
+        args = ["evaluate", "--model", model, "--quiet", "--iteration", str(iteration), "--split", split]
         n = self._sampler_processes()
         if n == 1:
             extra = ["--limit", str(limit)] if limit is not None else []
             self._sampling_stage(model, *args, *extra, "-o", str(out_dir),
                                  "--llm-calls", str(self.run_dir / LLM_CALLS_FILE))
             return
-        from gsm8kctl.data import load_problems
+        from gsm8kctl.data import split_problems
         from gsm8kctl.stages.evaluate import eval_metrics
         from gsm8kctl.tapes import METRICS_FILE, TAPES_FILE
 
-        ids = [p["id"] for p in load_problems("test", self.cfg["data_dir"])][:limit]
+        ids = [p["id"] for p in split_problems(self.cfg, split)][:limit]
         t0 = time.perf_counter()
         # Each shard evaluates into its own directory (tapes, metrics, config) under shards/.
         self._sharded(out_dir, out_dir / TAPES_FILE, ids, n, lambda k, part, d: (
@@ -128,7 +128,7 @@ class ProcessEngine:
 
         atomic_write_json(out_dir / METRICS_FILE, eval_metrics(
             out_dir / TAPES_FILE, ids, iteration=iteration, model_label=model,
-            backend=resolve_backend_name(self.cfg["backend"]), split="test", seconds=seconds,
+            backend=resolve_backend_name(self.cfg["backend"]), split=split, seconds=seconds,
             tokens_per_s=round(tokens / max(seconds, 1e-9), 1)))
 
     def sample(self, model: str, problem_ids: list[str], iteration: int, out: Path) -> None:
@@ -274,10 +274,10 @@ class InProcessEngine:
         self._say_memory()
         return info
 
-    def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None) -> None:
+    def evaluate(self, model: str, out_dir: Path, iteration: int, limit: int | None, split: str = "test") -> None:
         from gsm8kctl.stages.evaluate import evaluate
 
-        evaluate(self._cfg_for(model), out_dir=str(out_dir), limit=limit,
+        evaluate(self._cfg_for(model), out_dir=str(out_dir), limit=limit, split=split,
                  calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
                  backend=self._sampler(model), model_label=model, quiet=True)
 

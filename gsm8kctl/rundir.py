@@ -7,7 +7,8 @@
     RUN/metrics.jsonl                   one line per iteration; RUN/learning_curve.png its plot
     RUN/warmup/samples.jsonl            gold samples of the warm start
     RUN/iterations/NNNN/{tapes,samples}.jsonl
-    RUN/eval/NNNN/{tapes.jsonl,metrics.json}
+    RUN/eval/NNNN/{tapes.jsonl,metrics.json}        the test split (eval/start/: before the warm start)
+    RUN/validation/NNNN/{tapes.jsonl,metrics.json}  the held-out validation split, same layout
     RUN/checkpoints/step-NNNNNN/        a Hugging Face model directory plus training_state/
     RUN/checkpoints/latest              text: the newest complete checkpoint's name
     RUN/checkpoints/*/keep              a marker: never pruned (the loop keeps its best)
@@ -36,6 +37,7 @@ CURVE_FILE = "learning_curve.png"
 WARMUP_DIR = "warmup"
 ITERATIONS_DIR = "iterations"
 EVAL_DIR = "eval"
+VALIDATION_DIR = "validation"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 KEEP_MARKER = "keep"
@@ -57,8 +59,10 @@ def iteration_dir(run: Path, it: int) -> Path:
 START_ITERATION = -1  # the starting model's evaluation before the warm start (test_before_warmup)
 
 
-def eval_dir(run: Path, it: int) -> Path:
-    return Path(run) / EVAL_DIR / (f"{it:04d}" if it != START_ITERATION else "start")
+def eval_dir(run: Path, it: int, split: str = "test") -> Path:
+    """Where the loop's evaluation of iteration `it` on `split` (test or validation) lives."""
+    top = VALIDATION_DIR if split == "validation" else EVAL_DIR
+    return Path(run) / top / (f"{it:04d}" if it != START_ITERATION else "start")
 
 
 # ---------------------------------------------------------------------------------------------

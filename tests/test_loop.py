@@ -21,7 +21,11 @@ from gsm8kctl.stages.loop import iteration_steps, iteration_warnings, next_probl
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
             "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",
             "finetune.save_checkpoint_steps=2", "finetune.train_batch_size=2", "use_rejection_sampling=false",
-            "finetune.rl.use_advantages=false", "--backend", "transformers"]
+            "finetune.rl.use_advantages=false", "--backend", "transformers",
+            # The loop's mechanics, without the default recipe's warm start and KL term (tests of
+            # their own below): a random model earns no reward, so nothing would train either.
+            "warmup_sft_steps=0", "filter.ref_model=null", "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false",
+            "stop_without_signal=0", "validation_problems=3"]
 
 
 def _cmd(model: str, run_dir: Path) -> list[str]:
@@ -72,7 +76,14 @@ def test_loop_layout_and_metrics(reference_run):
     assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     summary = _summary(run)
     assert summary["steps"] == [1, 2] and summary["state"]["phase"] == "done"
-    assert summary["calls"] == (8 + 3 + 3, 8 + 3 + 3)  # train attempts + two evaluations
+    # train attempts + two evaluations, each of 3 test and 3 validation problems
+    assert summary["calls"] == (8 + 2 * (3 + 3), 8 + 2 * (3 + 3))
+    # The validation problems are held out of the train file: evaluated, never trained on.
+    held = {t["problem_id"] for t in read_jsonl(run / "validation" / "0000" / "tapes.jsonl")}
+    trained = {t["problem_id"] for t in read_jsonl(run / "iterations" / "0000" / "tapes.jsonl")}
+    assert len(held) == 3 and all(p.startswith("train-") for p in held) and not held & trained
+    assert rows[0]["validation_n"] == 3 and rows[1]["validation_accuracy_strict"] is not None
+    assert json.loads((run / "state.json").read_text())["best"]["split"] == "validation"
     # save_checkpoint_steps=2 set: the old fixed count per iteration, 2 steps of 2 on 8 samples.
     assert (first["train_steps"], first["train_passes"], first["train_steps_mode"]) == (2, 0.5, "fixed")
     assert first["train_ratio_max"] is not None and first["train_kl_max"] is None  # no reference model
@@ -217,7 +228,7 @@ def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, cap
     _prune(run, keep=1, current=ckpt(3))
     assert [d.name for _, d in list_checkpoints(run)] == ["step-000001", "step-000003"]
     ctx._summary()
-    assert f"best:    {ckpt(1)} (test strict 2.00% at iteration 0; kept from pruning" in capsys.readouterr().err
+    assert f"best:    {ckpt(1)} (validation strict 2.00% at iteration 0; kept from pruning" in capsys.readouterr().err
     ctx._mark_best(2, 0.03, ckpt(3))  # a new best takes the marker over
     assert not (ckpt(1) / KEEP_MARKER).exists() and (ckpt(3) / KEEP_MARKER).exists()
 
@@ -556,7 +567,12 @@ def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, referen
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _summary(run_dir) == _summary(reference_run)
-    order, _ = next_problems(0, 4, 7473, seed=42)  # iteration 0's problems (max_agent_forks 8 / 2 attempts)
+    from gsm8kctl.config import load_config
+    from gsm8kctl.data import split_problems
+
+    # Iteration 0's problems (max_agent_forks 8 / 2 attempts), drawn from what validation leaves.
+    pool = [int(p["id"].split("-")[1]) for p in split_problems(load_config(None, ["validation_problems=3"]), "train")]
+    order, _ = next_problems(0, 4, pool, seed=42)
     tapes = list(read_jsonl(run_dir / "iterations" / "0000" / "tapes.jsonl"))
     assert [(t["problem_id"], t["attempt"]) for t in tapes] == [(p, a) for p in order for a in (0, 1)]
     for sub in ("iterations/0000", "eval/0000", "eval/0001"):

@@ -11,7 +11,7 @@ from pathlib import Path
 from gsm8kctl.attempts import check_calls_db, existing_output, open_backend, run_attempts
 from gsm8kctl.backends import Backend, SamplingParams
 from gsm8kctl.config import CONFIG_FILE, save_config
-from gsm8kctl.data import load_problems, select_problems
+from gsm8kctl.data import problems_by_id, split_problems
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl
 from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
@@ -38,9 +38,9 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     existing = existing_output(str(tapes_path))
     if limit is not None and limit <= 0:
         raise UserError(f"--limit must be a positive number of problems, got {limit}")
-    problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=limit, problem_ids=problem_ids)
+    problems = problems_by_id(cfg, split, n_problems=limit, problem_ids=problem_ids)
     if cfg["agent"]["few_shot"] > 0:
-        load_problems("train", cfg["data_dir"])  # the few-shot pool: checked now, cached for later
+        split_problems(cfg, "train")  # the few-shot pool: checked now, cached for later
     params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=cfg["evaluation"]["max_tokens"],
                             seed=cfg["seed"])
     own = backend is None

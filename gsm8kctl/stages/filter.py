@@ -310,16 +310,17 @@ def gold_samples(cfg: dict, *, split: str = "train", model: str | None = None,
     from gsm8kctl.agent import format_gold_solution
     from gsm8kctl.attempts import prompt_for
     from gsm8kctl.chat import render_completion
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.data import split_problems
 
     model = model or cfg["model"]
     if n_problems is not None and n_problems < 1:
         raise UserError("--n-problems must be positive")
     # The data first: a bad data file is refused before a tokenizer (or model) is loaded.
-    problems = load_problems(split, data_dir or cfg["data_dir"])
+    cfg = {**cfg, "data_dir": data_dir or cfg["data_dir"]}
+    problems = split_problems(cfg, split)  # `train` holds no validation problem
     if n_problems is not None:
         problems = problems[:n_problems]
-    train = load_problems("train", data_dir or cfg["data_dir"]) if cfg["agent"]["few_shot"] > 0 else []
+    train = split_problems(cfg, "train") if cfg["agent"]["few_shot"] > 0 else []
     if tokenizer is None:
         from gsm8kctl.models import load_tokenizer, resolve_model
 
@@ -374,9 +375,12 @@ def run_filter(
     check_replaceable(out, option="-o", kind=JSONL_RECORDS)
     from gsm8kctl.rundir import START_MODEL
 
-    if (ref_model or cfg["filter"]["ref_model"]) == START_MODEL:
+    if ref_model == START_MODEL:
         raise UserError(f"filter.ref_model '{START_MODEL}' stands for the model a `gsm8kctl loop` started from; "
                         f"here pass the model itself (--ref-model PATH, or ./{START_MODEL} for a directory of that name)")
+    if cfg["filter"]["ref_model"] == START_MODEL:
+        # The config's `start` (the default) means the loop's warm start; run alone, no reference.
+        cfg = {**cfg, "filter": {**cfg["filter"], "ref_model": None}}
     if ref_model or cfg["filter"]["ref_model"]:
         from gsm8kctl.models import resolve_model
 

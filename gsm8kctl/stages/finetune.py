@@ -199,7 +199,13 @@ def _load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str)
                             "use --objective reinforce or sft")
     if float(ft["rl"]["kl_coef"]):
         n = sum(s.get("ref_logprobs") is None for s in samples)
-        if n:
+        if n == len(samples):
+            # The default config's KL term (the loop's, to its warm start) on samples filtered
+            # without a reference: train without it, and say so, rather than refuse the pipeline.
+            say(f"warning: finetune.rl.kl_coef={ft['rl']['kl_coef']:g} but no sample carries ref_logprobs "
+                "(filter without --ref-model): training without the KL term")
+            ft["rl"]["kl_coef"] = 0.0
+        elif n:
             raise UserError(f"finetune.rl.kl_coef > 0 needs ref_logprobs; {n} of {len(samples)} samples "
                             "have none: run filter with --ref-model")
     return samples

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from gsm8kctl.config import CONFIG_FILE, save_config
-from gsm8kctl.errors import UserError
+from gsm8kctl.errors import Stopped, UserError
 from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
@@ -31,23 +31,26 @@ from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PHASES, RUN_
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
 
-def problem_order(n_train: int, seed: int, epoch: int) -> list[int]:
-    """A seeded permutation of the train split, a new one each pass over it."""
-    order = list(range(n_train))
+def problem_order(pool: int | list[int], seed: int, epoch: int) -> list[int]:
+    """A seeded permutation of the training problems (their lines in the train file; an int n
+    stands for all n lines), a new one each pass over them."""
+    order = list(range(pool)) if isinstance(pool, int) else list(pool)
     random.Random(f"{seed}:{epoch}").shuffle(order)
     return order
 
 
-def next_problems(cursor: int, k: int, n_train: int, seed: int) -> tuple[list[str], int]:
-    """k distinct train problem ids from position `cursor` of the endless seeded order, and the
-    position after them. Where a draw crosses into the next pass, an id the draw already holds
-    is skipped: otherwise its attempts would be counted once and the iteration would be short
-    (4032 of 4096 attempts at the first pass boundary of an H200 run)."""
+def next_problems(cursor: int, k: int, pool: int | list[int], seed: int) -> tuple[list[str], int]:
+    """k distinct train problem ids from position `cursor` of the endless seeded order over
+    `pool` (problem_order), and the position after them. Where a draw crosses into the next
+    pass, an id the draw already holds is skipped: otherwise its attempts would be counted once
+    and the iteration would be short (4032 of 4096 attempts at the first pass boundary of an
+    H200 run)."""
+    n_train = pool if isinstance(pool, int) else len(pool)
     ids, seen, orders, pos = [], set(), {}, cursor
     while len(ids) < min(k, n_train):
         epoch, offset = divmod(pos, n_train)
         if epoch not in orders:
-            orders[epoch] = problem_order(n_train, seed, epoch)
+            orders[epoch] = problem_order(pool, seed, epoch)
         pid = f"train-{orders[epoch][offset]:05d}"
         if pid not in seen:
             seen.add(pid)
@@ -126,6 +129,36 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
     return out
 
 
+def no_signal(row: dict, cfg: dict) -> str | None:
+    """Why an iteration (its metrics.jsonl line) gave training nothing to learn from, and the keys
+    that change it; None when it did. Told apart by what the attempts did: ran out of tokens,
+    never wrote the answer format, wrote it and were wrong, or scored alike within every group."""
+    if not row.get("attempts"):
+        return None  # an evaluation-only row
+    if not row["train_success_rate"]:
+        fmt, over, mean = row["format_rate"], row["overflow_rate"], row["mean_output_tokens"]
+        facts = (f"no attempt of {row['attempts']} earned a reward (answer format {fmt:.1%}, {over:.0%} ran to "
+                 f"the token limit, {mean:.0f} tokens on average)")
+        if over >= 0.3:
+            cause = (f"most attempts run out of tokens before they answer: raise sampling.max_tokens "
+                     f"(now {cfg['sampling']['max_tokens']}), or teach a shorter solution with a warm start "
+                     f"(warmup_sft_steps, now {cfg['warmup_sft_steps']})")
+        elif fmt < 0.05:
+            cause = (f"the model rarely puts its answer in \\boxed{{}}: teach the format with a warm start "
+                     f"(warmup_sft_steps, now {cfg['warmup_sft_steps']}) or show solved examples "
+                     f"(agent.few_shot, now {cfg['agent']['few_shot']})")
+        else:
+            cause = (f"the answers are formatted but wrong: start from a stronger model (warmup_sft_steps, now "
+                     f"{cfg['warmup_sft_steps']}) or sample more attempts per problem (attempts, now {cfg['attempts']})")
+        return f"{facts}; {cause}"
+    grouped = not cfg["use_rejection_sampling"] and cfg["finetune"]["rl"]["use_advantages"]
+    if grouped and row["uniform_groups"] >= row["problems"]:
+        return (f"in every one of its {row['problems']} problems all attempts scored alike, so every group "
+                f"advantage is 0: sample more attempts per problem (attempts, now {cfg['attempts']}) or train "
+                f"on successes alone (use_rejection_sampling=true)")
+    return None
+
+
 def _finetune_summary(run_dir: Path, samples_path: Path) -> dict:
     """Over the finetune steps that trained on this samples file: the largest mean ratio and KL
     (the guard reads these), and the mean loss, entropy and KL (the learning curves plot these)."""
@@ -168,7 +201,8 @@ def _is_run_metrics(p: Path) -> bool:
 RUN_METRICS = OwnFile(_is_run_metrics, "a loop's metrics (one line per iteration)")
 
 
-def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
+def loop(cfg: dict, run_dir: str, *, quiet: bool = False, sizes: dict | None = None) -> dict:
+    """`sizes`: what the config's `auto` keys became on this machine (printed at start)."""
     run = Path(run_dir)
     # Every check before the run directory is created or anything in it is written.
     check_output_dir(run, option="--run-dir", files=(CONFIG_FILE, STATE_FILE, RUN_METRICS_FILE),
@@ -181,10 +215,11 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
                         f"(got attempts={cfg['attempts']}, max_agent_forks={cfg['max_agent_forks']})")
     if cfg["iterations"] < 0 or cfg["test_every_n_iterations"] < 0:
         raise UserError("iterations and test_every_n_iterations must be >= 0")
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.data import split_problems
     from gsm8kctl.models import resolve_model
 
-    n_train = len(load_problems("train", cfg["data_dir"]))  # checks the data before any work
+    # Checks the data (and the held-out size) before any work; the loop trains on this pool only.
+    pool = [int(p["id"].split("-")[1]) for p in split_problems(cfg, "train")]
     base_model = resolve_model(cfg["model"])
     old = load_state(run)  # checked now; read again under the lock
     if cfg["filter"]["ref_model"] == START_MODEL and old["phase"] != "warmup" and old.get("start_model") is None:
@@ -192,6 +227,10 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
                         "from, and this state file (written before the option existed) does not say; set "
                         "filter.ref_model to that model's path")
     run.mkdir(parents=True, exist_ok=True)
+    from gsm8kctl.sizes import describe
+
+    if sizes:
+        say(describe(cfg["machine"], sizes), quiet)
     with RunLock(run):
         save_config(cfg, run / CONFIG_FILE)
         state = load_state(run)
@@ -205,7 +244,7 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
 
         engine = open_engine(cfg, run, state, quiet=quiet)
         try:
-            _Context(cfg, run, state, base_model, n_train, quiet, engine=engine).run()
+            _Context(cfg, run, state, base_model, pool, quiet, engine=engine).run()
         finally:
             engine.close()
         return state
@@ -214,10 +253,12 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False) -> dict:
 class _Context:
     """What every phase needs; one method per phase, read top to bottom in `run`."""
 
-    def __init__(self, cfg: dict, run: Path, state: dict, base_model: str, n_train: int, quiet: bool,
+    def __init__(self, cfg: dict, run: Path, state: dict, base_model: str, pool: int | list[int], quiet: bool,
                  engine=None):
         self.cfg, self.run_dir, self.state, self.base_model = cfg, run, state, base_model
-        self.n_train, self.quiet = n_train, quiet
+        self.pool, self.quiet = pool, quiet  # the training problems' lines of the train file
+        # The split that chooses the best checkpoint: never the test split while a validation one exists.
+        self.select_on = "validation" if cfg["validation_problems"] else "test"
         self.engine = engine  # engine.ProcessEngine or InProcessEngine: runs each phase's stage
 
     # ------------------------------------------------------------------ driver
@@ -263,17 +304,47 @@ class _Context:
                     st.update(iteration=it + 1, phase="evaluate", problems=None)
                 st.update(StageRecord.cleared())
                 save_state(self.run_dir, st)
+                if phase == "record":
+                    self._stop_without_signal(it)
         self._settle(st["iteration"] - 1)
         st["phase"] = "done"
         save_state(self.run_dir, st)
         self._summary()
 
+    def _stop_without_signal(self, it: int) -> None:
+        """Stop (exit 1) after `stop_without_signal` iterations in a row gave nothing to learn from,
+        rather than spend the rest of the run the same way. The state is saved: a rerun goes on."""
+        limit = self.cfg["stop_without_signal"]
+        if not limit:
+            return
+        self._settle(it)
+        rows = sorted(read_jsonl(self.run_dir / RUN_METRICS_FILE), key=lambda r: r["iteration"])
+        trained = [r for r in rows if r.get("attempts")]
+        streak = trained[-limit:]
+        if len(streak) == limit and all(r.get("no_signal") for r in streak) and streak[-1]["iteration"] == it:
+            raise Stopped(f"{self.run_dir}: stopped after {limit} iterations in a row with nothing to learn from "
+                          f"(stop_without_signal={limit}); the last: {streak[-1]['no_signal']}. Change the config "
+                          "and rerun the same command to go on from here")
+
     # ------------------------------------------------------------------ paths
     def it_dir(self, it: int) -> Path:
         return iteration_dir(self.run_dir, it)
 
-    def eval_dir(self, it: int) -> Path:
-        return eval_dir(self.run_dir, it)
+    def eval_dir(self, it: int, split: str = "test") -> Path:
+        return eval_dir(self.run_dir, it, split)
+
+    def splits(self) -> tuple[str, ...]:
+        """What an evaluation covers: the test split, and the validation split where there is one."""
+        return ("test", "validation") if self.cfg["validation_problems"] else ("test",)
+
+    def _evaluate_model(self, model: str, it: int) -> dict[str, dict]:
+        """Greedy evaluations of `model` on each split; their metrics by split."""
+        out = {}
+        for split in self.splits():
+            limit = self.cfg["eval_limit"] if split == "test" else None  # validation: every held-out problem
+            self.engine.evaluate(model, self.eval_dir(it, split), it, limit, split)
+            out[split] = json.loads((self.eval_dir(it, split) / METRICS_FILE).read_text(encoding="utf-8"))
+        return out
 
     def current_model(self) -> str:
         pending = self.state.get("pending_save")
@@ -320,13 +391,13 @@ class _Context:
         """The starting model on the test split, before the warm start changes it: what the warm
         start and the iterations gained is measured from here (metrics.jsonl iteration -1)."""
         it = START_ITERATION
-        if not (self.eval_dir(it) / METRICS_FILE).exists():  # a rerun after it finished skips it
+        if not all((self.eval_dir(it, s) / METRICS_FILE).exists() for s in self.splits()):  # a rerun skips it
             self._banner(it, "evaluate the starting model")
             t0 = time.time()
-            self.engine.evaluate(self.cfg["model"], self.eval_dir(it), it, self.cfg["eval_limit"])
+            self._evaluate_model(self.cfg["model"], it)
             self.state["timings"].setdefault(str(it), {})["evaluate"] = round(time.time() - t0, 1)
             save_state(self.run_dir, self.state)
-        m = json.loads((self.eval_dir(it) / METRICS_FILE).read_text(encoding="utf-8"))
+        m = json.loads((self.eval_dir(it, self.select_on) / METRICS_FILE).read_text(encoding="utf-8"))
         self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
         self._record(it)
 
@@ -336,10 +407,9 @@ class _Context:
         if not every or (it % every and not final):
             return
         model = self.current_model()
-        self.engine.evaluate(model, self.eval_dir(it), it, self.cfg["eval_limit"])
+        m = self._evaluate_model(model, it)[self.select_on]
         # Marked now, not at record: this iteration's finetune prunes, and with keep_checkpoints=1
         # it would delete the checkpoint just evaluated before record could keep it.
-        m = json.loads((self.eval_dir(it) / METRICS_FILE).read_text(encoding="utf-8"))
         self._settle(it)
         self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
 
@@ -348,7 +418,7 @@ class _Context:
         k = max(1, self.cfg["max_agent_forks"] // self.cfg["attempts"])
         if not st.get("problems"):
             # Chosen once per iteration and saved before sampling: a restart samples the same ones.
-            st["problems"], st["cursor"] = next_problems(st["cursor"], k, self.n_train, self.cfg["seed"])
+            st["problems"], st["cursor"] = next_problems(st["cursor"], k, self.pool, self.cfg["seed"])
             save_state(self.run_dir, st)
         self.it_dir(it).mkdir(parents=True, exist_ok=True)
         model = self.current_model()
@@ -409,34 +479,42 @@ class _Context:
             secs = self.state["timings"].get(str(it), {}).get("sample")
             if secs:
                 row["sample_tokens_per_s"] = round(sum(len(t["completion_token_ids"]) for t in tapes) / secs, 1)
-        ev = self.eval_dir(it) / METRICS_FILE
-        if ev.exists():
-            m = json.loads(ev.read_text(encoding="utf-8"))
-            row.update(test_accuracy_strict=m["accuracy_strict"], test_accuracy_lenient=m["accuracy_lenient"],
-                       test_format_rate=m["format_rate"], test_n=m["n"])
+        for split in ("test", "validation"):
+            ev = self.eval_dir(it, split) / METRICS_FILE
+            if ev.exists():
+                m = json.loads(ev.read_text(encoding="utf-8"))
+                row.update({f"{split}_accuracy_strict": m["accuracy_strict"],
+                            f"{split}_accuracy_lenient": m["accuracy_lenient"],
+                            f"{split}_format_rate": m["format_rate"], f"{split}_n": m["n"]})
         row["seconds"] = self.state["timings"].get(str(it), {})
         path = self.run_dir / RUN_METRICS_FILE
         rows = [r for r in read_jsonl(path) if r["iteration"] != it] if path.exists() else []
         row["warnings"] = iteration_warnings(row, rows, self.cfg)
+        row["no_signal"] = no_signal(row, self.cfg)
         for w in row["warnings"]:
             say(f"warning: iteration {it}: {w}", self.quiet)
+        if row["no_signal"]:
+            say(f"warning: iteration {it} gave nothing to learn from: {row['no_signal']}", self.quiet)
         write_jsonl(path, rows + [row])  # atomic rewrite: a rerun of this phase never duplicates a line
         plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
         _report_to(self.cfg["report_to"], row, self.run_dir, self.quiet)
 
     def _mark_best(self, it: int, accuracy: float, evaluated: Path) -> None:
-        """Keep the checkpoint with the best strict test accuracy from pruning (finetune's `keep` marker)."""
+        """Keep the checkpoint with the best strict accuracy on the selection split (validation
+        where there is one) from pruning (finetune's `keep` marker)."""
         best = self.state.get("best")
         if best and best["accuracy_strict"] >= accuracy:
             return
         ckpt = evaluated if is_own_checkpoint(self.run_dir, evaluated) else None
         if ckpt is None:  # the base model was best: nothing of ours to keep
-            self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": None}
+            self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": None,
+                                  "split": self.select_on}
             return
         if best and best["checkpoint"] and Path(best["checkpoint"]).exists() and not self._is_reference(best["checkpoint"]):
             unmark_keep(Path(best["checkpoint"]))
-        mark_keep(ckpt, f"best strict test accuracy {accuracy} at iteration {it}")
-        self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": str(ckpt)}
+        mark_keep(ckpt, f"best strict {self.select_on} accuracy {accuracy} at iteration {it}")
+        self.state["best"] = {"iteration": it, "accuracy_strict": accuracy, "checkpoint": str(ckpt),
+                              "split": self.select_on}
 
     def _is_reference(self, ckpt: str) -> bool:
         return (self.cfg["filter"]["ref_model"] == START_MODEL and self.state.get("start_model") is not None
@@ -447,7 +525,7 @@ class _Context:
         if self.quiet:
             return
         best = self.state.get("best")
-        acc = f", best test accuracy {best['accuracy_strict']:.3f}" if best else ""
+        acc = f", best {best.get('split', 'test')} accuracy {best['accuracy_strict']:.3f}" if best else ""
         label = "warm start" if it < 0 else f"iteration {it}/{self.cfg['iterations']}"
         console.rule(f"[bold]{label}[/] · {phase}{acc}")
 
@@ -459,15 +537,24 @@ class _Context:
                  f"      tapes:   {r / 'iterations'}/*/{TAPES_FILE}, {r / 'eval'}/*/{TAPES_FILE}",
                  f"      browse:  gsm8kctl browse {r}"]
         best = self.state.get("best")
+        path = r / RUN_METRICS_FILE
+        rows = {row["iteration"]: row for row in read_jsonl(path)} if path.exists() else {}
         if best:
-            acc = f"test strict {best['accuracy_strict']:.2%} at iteration {best['iteration']}"
+            split = best.get("split", "test")
+            acc = f"{split} strict {best['accuracy_strict']:.2%} at iteration {best['iteration']}"
+            test = rows.get(best["iteration"], {}).get("test_accuracy_strict")
+            if split != "test" and test is not None:
+                acc += f", test strict {test:.2%}"
             if best["checkpoint"]:
                 lines.append(f"      best:    {best['checkpoint']} ({acc}; kept from pruning by its `keep` file)")
             else:
                 lines.append(f"      best:    the starting model {self.cfg['model']} ({acc}; no checkpoint of "
                              "this run beat it)")
-        path = r / RUN_METRICS_FILE
-        warned = [row["iteration"] for row in read_jsonl(path) if row.get("warnings")] if path.exists() else []
+        evaluated = [row for row in rows.values() if row.get("test_accuracy_strict") is not None]
+        if evaluated:
+            last = max(evaluated, key=lambda row: row["iteration"])
+            lines.append(f"      last:    test strict {last['test_accuracy_strict']:.2%} at iteration {last['iteration']}")
+        warned = [row["iteration"] for row in rows.values() if row.get("warnings")]
         if warned:
             lines.append(f"      warnings: at iteration(s) {', '.join(map(str, warned))}; the `warnings` "
                          f"of {path} say what")
@@ -482,7 +569,8 @@ def _uniform_groups(tapes: list[dict]) -> int:
 
 
 def plot_learning_curve(rows: list[dict], path: Path) -> None:
-    """Test accuracy (strict and lenient) and train success vs iteration, and on a right-hand axis
+    """Test accuracy (strict and lenient), validation accuracy (strict, the split that chooses the
+    best checkpoint) and train success vs iteration, and on a right-hand axis
     the test format rate (what a warm start moves first); written atomically. Iteration -1, the
     starting model before the warm start, is labelled `start`."""
     import matplotlib
@@ -495,6 +583,7 @@ def plot_learning_curve(rows: list[dict], path: Path) -> None:
     lines = []
     for key, label, style in (("test_accuracy_strict", "test accuracy (strict)", "o-"),
                               ("test_accuracy_lenient", "test accuracy (lenient)", "s--"),
+                              ("validation_accuracy_strict", "validation accuracy (strict)", "v-"),
                               ("train_success_rate", "train success rate", "^:")):
         pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
         if pts:

@@ -13,7 +13,7 @@ from pathlib import Path
 from gsm8kctl.attempts import check_calls_db, existing_output, open_backend, run_attempts
 from gsm8kctl.backends import Backend, SamplingParams
 from gsm8kctl.config import save_config
-from gsm8kctl.data import load_problems, select_problems
+from gsm8kctl.data import problems_by_id, split_problems
 from gsm8kctl.paths import SAVED_CONFIG, check_output_file, check_replaceable
 from gsm8kctl.progress import say
 from gsm8kctl.tapes import LLM_CALLS_FILE
@@ -32,10 +32,9 @@ def sample(cfg: dict, *, out: str, split: str = "train", n_problems: int | None 
         check_replaceable(config_path, option="-o (its config)", kind=SAVED_CONFIG)
     check_calls_db(calls_db, out, cfg["data_dir"])
     existing = existing_output(out)
-    problems = select_problems(load_problems(split, cfg["data_dir"]), n_problems=n_problems,
-                               problem_ids=problem_ids)
+    problems = problems_by_id(cfg, split, n_problems=n_problems, problem_ids=problem_ids)
     if cfg["agent"]["few_shot"] > 0:
-        load_problems("train", cfg["data_dir"])  # the few-shot pool: checked now, cached for later
+        split_problems(cfg, "train")  # the few-shot pool: checked now, cached for later
     s = cfg["sampling"]
     params = SamplingParams(n=cfg["attempts"], temperature=s["temperature"], top_p=s["top_p"],
                             max_tokens=s["max_tokens"], seed=cfg["seed"])
