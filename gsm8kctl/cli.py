@@ -327,6 +327,59 @@ def loop(
     run(cfg, str(run_dir), quiet=quiet, sizes=sizes)
 
 
+@app.command()
+@_handle_errors
+def control(
+    like: Annotated[Path, typer.Argument(help="The RL run directory (a loop's --run-dir) to match.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The control's directory (created; rerun to resume).")],
+    at: Annotated[str, typer.Option(help="Match the RL run's best checkpoint (chosen on validation), its last "
+                                         "evaluation, or all of its evaluations: best | last | all.")] = "best",
+    overrides: Overrides = None,
+    quiet: QuietOpt = False,
+):
+    """The SFT-only control of an RL run: gold solutions for as many tokens as it trained."""
+    from gsm8kctl.progress import say
+    from gsm8kctl.stages.control import check_rl_run
+    from gsm8kctl.stages.control import control as run
+
+    check_rl_run(like)
+    cfg = load_config(like / "config.yaml", overrides or [])  # the RL run's own config
+    rows = run(cfg, str(like), str(out), at=at, quiet=quiet)
+    if not quiet:
+        say(json.dumps(rows[-1], allow_nan=False) if rows else "nothing to match yet", verbatim=True)
+
+
+@app.command()
+@_handle_errors
+def seeds(
+    overrides: Overrides = None,
+    run_dir: Annotated[Path, typer.Option(help="Where the seeds' runs and seeds.json go (rerun to resume).")] =
+    Path("runs/seeds"),
+    seed_list: Annotated[str, typer.Option("--seeds", help="Comma-separated seeds, one loop each.")] = "1,2,3",
+    parallel: Annotated[Optional[int], typer.Option(help="Loops at once (default: all on a GPU, 1 on a CPU).")] = None,
+    with_control: Annotated[bool, typer.Option("--control/--no-control", help="Run each seed's SFT-only control "
+                                                                              "at equal tokens.")] = True,
+    config: ConfigOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+):
+    """One recipe over several seeds: each a loop and its SFT control; medians and ranges."""
+    from gsm8kctl.stages.seeds import seeds as run
+
+    try:
+        chosen = [int(s) for s in seed_list.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--seeds: expected comma-separated integers, got {seed_list!r}") from None
+    cfg = load_config(config, overrides or [], command="loop")  # checked once, before any loop starts
+    for s in chosen:
+        load_config(config, [*(overrides or []), f"seed={s}"], command="loop")
+    summary = run(cfg, str(run_dir), seed_list=chosen, config=str(config) if config else None,
+                  overrides=[*(overrides or []), f"machine={cfg['machine']}"], parallel=parallel,
+                  with_control=with_control, quiet=quiet or json_out)
+    if json_out:
+        _print_json(summary)
+
+
 @app.command(name="gather-tapes")
 @_handle_errors
 def gather_tapes(

@@ -18,7 +18,7 @@ MACHINES = ("gpu", "cpu")
 # key: (gpu, cpu). Warm-start steps: two passes over the 6973 problems left once 500 are held out
 # (64 per step) on a GPU; one pass over 96 on a CPU.
 SIZE_KEYS: dict[str, tuple[Any, Any]] = {
-    "iterations": (60, 1),
+    "iterations": (48, 1),
     "attempts": (16, 4),
     "max_agent_forks": (4096, 64),
     "test_every_n_iterations": (4, 1),
