@@ -28,7 +28,7 @@ if [ ! -f "$SMOLLM2/config.json" ] && [ -f .devdata/gguf.part.ab ]; then
 fi
 # A tiny random-init Llama with the SmolLM2 tokenizer (as in tests/conftest.py): CUDA checks need no weights.
 export TINY=$HOME/cache/tiny-random
-if [ ! -f "$TINY/config.json" ]; then
+if [ ! -f "$TINY/config.json" ] && [ -d .devdata/tok ]; then
   python3 - "$TINY" <<'PY'
 import sys, torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
