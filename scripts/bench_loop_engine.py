@@ -4,7 +4,7 @@
         --max-tokens 32 --out ble.json use_rejection_sampling=false \
         finetune.rl.use_advantages=false                                 # CPU check (random tiny model)
     python scripts/bench_loop_engine.py --model smollm2-135m --attempts 8 --forks 4096 --iterations 3 \
-        --max-tokens 512 --out ble.json                                  # issue 10 target, one GPU
+        --max-tokens 512 --out ble.json                                  # the real model, one GPU
 
 For each engine (`loop.engine=inprocess`, then `processes`) this runs the real `gsm8kctl loop`
 as a subprocess on a fresh run directory with the same config and no evaluation

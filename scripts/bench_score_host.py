@@ -2,9 +2,9 @@
 
     python scripts/bench_score_host.py --rows 8192 --against 5c91cee~1   # the tree before the vectorised score()
 
-On an H200, score() ran at 151-185 k scored tokens/s against 571-720 k for the decoder forward
-alone (docs/benchmarks.md, split-K section); part of the difference is this Python work, which
-runs while the GPU waits. This times the three host steps of `TransformersBackend.score` on synthetic rows of
+On one H200 (2026-12-02, commit 14d38d4), score() ran at 151-185 k scored tokens/s against
+571-720 k for the decoder forward alone; part of the difference was this Python work, which
+runs while the GPU waits (docs/benchmarks.md, "The host side of `score()`"). This times the three host steps of `TransformersBackend.score` on synthetic rows of
 GSM8k's lengths (prompts 120-220 tokens, completions 30-320), for this tree's
 `gsm8kctl/logprobs.py` and, with `--against REV`, for the one at a git revision, side by side
 and alternating, and prints the medians. The log-probs are random numbers of the right shape:

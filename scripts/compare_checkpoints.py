@@ -5,7 +5,7 @@
 Reads `model.safetensors` of each (a checkpoint directory, or a run directory for its latest),
 and reports the tensors that differ, the share of differing elements, and the largest absolute
 difference. Used to tell nondeterministic training apart from a difference in how weights reach
-the sampler (docs/benchmarks.md, the tape agreement between loop engines).
+the sampler (docs/benchmarks.md, "Loop iteration" and "Run-to-run determinism on CUDA").
 """
 
 from __future__ import annotations

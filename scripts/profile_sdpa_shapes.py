@@ -1,7 +1,8 @@
 """What SDPA's first call of a new shape costs on one GPU, by backend set (one set per process).
 
 A `sample` process's admissions took ~3x the host time of the same admissions repeated in one
-process (docs/benchmarks.md), and in the first pass SDPA alone was 3.3 of 7.1 s. Prefill and
+process (one H200, 2026-12-03; docs/benchmarks.md), and in the first pass SDPA alone was 3.3 of
+7.1 s. Prefill and
 score shapes change with every batch; if SDPA sends them to cuDNN, cuDNN builds an execution
 plan per new shape. This runs the prefill's attention (causal, right-padded, the SmolLM2-135M
 heads) over `--shapes` new (rows, width) shapes, each called twice with a sync around each call,

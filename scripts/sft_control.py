@@ -1,6 +1,6 @@
-"""The SFT-only control of issue 11: keep training on gold solutions, token for token as an RL run.
+"""The SFT-only control: keep training on gold solutions, token for token as an RL run.
 
-    python scripts/sft_control.py runs/sft-control --like runs/rejection --config configs/h200-smollm2.yaml
+    python scripts/sft_control.py runs/sft-control --like runs/rejection
 
 RL must beat this baseline. Starting from the same checkpoint as the RL run (`--init`, default:
 the RL run's warm-start checkpoint, the one its first iteration sampled with), this trains on

@@ -3,7 +3,7 @@
 A decode step of a small model is launch-bound: the 135M model's eager layer is ~40 kernels
 (RMSNorm alone is eight: upcast, square, mean, add, rsqrt, multiply, downcast, weight), and a
 30-layer step replayed from a CUDA graph spent ~4.4 ms of its 8.1 ms at 1024 slots outside
-attention, against ~0.4 ms of arithmetic (docs/benchmarks.md). These three kernels, with q/k/v
+attention, against ~0.4 ms of arithmetic (one H200, 2026-12-02; docs/benchmarks.md). These three kernels, with q/k/v
 and gate/up each one matmul over concatenated weights (llama.py), make a layer ~12 kernels:
 
 - `add_rmsnorm(x, residual, weight, eps)`: h = residual + x (rounded to the activations' dtype,

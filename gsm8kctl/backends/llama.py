@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, loaded from its safetensors.
 
-Why: on the H200 image a new `sample` process spent 5.3-8.1 s (measured before this module)
+Why: on one H200 (2026-12-03, before this module) a new `sample` process spent 5.3-8.1 s
 importing transformers' model code (which brings torch._dynamo, torch.distributed.tensor, sympy
 and torchvision) and 1.5-2.2 s in `from_pretrained`, for a 135M model whose weights load in a
 fraction of a second. The slot engine (slots.py) needs only a decoder forward, so on CUDA this

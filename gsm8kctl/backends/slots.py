@@ -52,7 +52,8 @@ from gsm8kctl.hostgate import HostGate
 
 ATTN_NAME = "gsm8kctl_slots"
 # SDPA's backends on CUDA, cuDNN left out: on an H200 it builds an execution plan for every new
-# shape, and prefill and scoring shapes vary with every batch (docs/benchmarks.md). None lets
+# shape (63-72 ms each, measured 2026-12-03), and prefill and scoring shapes vary with every
+# batch (docs/benchmarks.md). None lets
 # torch choose (the benchmark scripts' "before").
 SDPA_BACKENDS: list[str] | None = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
 # Bytes of float32 work per slot and vocabulary entry in a decode step: log-softmax, probs,

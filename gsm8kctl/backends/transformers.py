@@ -32,7 +32,8 @@ def pick_device() -> str:
 def pick_dtype(device: str, requested: str = "auto") -> torch.dtype:
     if requested and requested != "auto":
         return getattr(torch, requested)
-    # bf16 on CPU measured 130 vs 59 tok/s (fp32) for SmolLM2-135M on 2 cores.
+    # bf16 on CPU measured 130 vs 59 tok/s (fp32) for SmolLM2-135M on a 2-core x86-64 VM with
+    # AVX-512 BF16 (2026-11-29).
     return torch.bfloat16
 
 
@@ -264,8 +265,9 @@ class TransformersBackend:
     def score(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
         unique, which = distinct_prompts(prompts)
         # On CUDA one causal pass per row wins even with 8 rows per prompt: the shared path's
-        # masked second pass (no flash kernel) and repeated cache ran at half its speed on the
-        # H200 (docs/benchmarks.md); on the CPU sharing was 1.5x faster. Our decoder runs no masks.
+        # masked second pass (no flash kernel) and repeated cache ran at half its speed on one
+        # H200 (2026-12-03, docs/benchmarks.md); on a 2-core CPU sharing was 1.5x faster. Our
+        # decoder runs no masks.
         if self.device == "cuda" or self.native or len(unique) * 2 > len(prompts):
             return self._score_rows(prompts, completions)
         return self._score_shared(unique, which, completions)

@@ -11,8 +11,8 @@ open is an error), and the last `close()` (or interpreter exit) shuts it down, s
 process outlives us.
 
 On a machine without a GPU, `cpu_env()` is applied to `os.environ` while vllm is imported and the
-engine starts; the engine child inherits it (measured on 2 cores: thread binding + tcmalloc +
-Intel OpenMP = 1.7x). Our own process keeps its environment otherwise.
+engine starts; the engine child inherits it (measured on a 2-core x86-64 VM, 2026-11-29: thread
+binding + tcmalloc + Intel OpenMP = 1.7x). Our own process keeps its environment otherwise.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def engine_dtype(dtype: str) -> str:
     """vllm.dtype for vLLM's --dtype: `auto` is bfloat16 on a GPU or a CPU with native bfloat16, and
     float32 on other CPUs, where emulated bfloat16 generated 33 tokens/s against 108 in float32
-    (SmolLM2-135M, 2-core AMD EPYC, docs/benchmarks.md)."""
+    (SmolLM2-135M, 2-core AMD EPYC, 2026-12-01; docs/benchmarks.md)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if has_gpu() or native_bf16_cpu() else "float32"

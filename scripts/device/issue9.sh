@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 9's measurements on the lent H200, one part per `run` call (after `source scripts/device/prepare.sh`):
+# The sampler's GPU measurements (docs/benchmarks.md), one part per call, after `source scripts/device/prepare.sh`:
 #   bash scripts/device/issue9.sh kernel   # split-K kernel vs flash, step profile, random-init shapes (no weights)
 #   bash scripts/device/issue9.sh step     # one decode step: transformers' module, our decoder, fused kernels
 #   bash scripts/device/issue9.sh score    # score() against sampling (random init, no weights), and where imports go
-#   bash scripts/device/issue9.sh cli      # the real SmolLM2 ($SMOLLM2, both GGUF parts carried): sample/evaluate
+#   bash scripts/device/issue9.sh cli      # the real SmolLM2 ($SMOLLM2, from both GGUF parts): sample/evaluate
 #   bash scripts/device/issue9.sh sdpa     # SDPA's first call of a new shape by backend set; admissions with each (no weights)
 #   bash scripts/device/issue9.sh profile  # the real SmolLM2: one sample and one evaluate process, phase by phase, twice
-# JSON goes to $OUT (the device tool brings it back); copy it to docs/bench/ by hand.
+# JSON goes to the directory $OUT; copy what a table cites to docs/bench/<topic>/<date>-<hardware>-<what>.
 set -u
 part=${1:?kernel or cli}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
