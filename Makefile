@@ -31,7 +31,7 @@ endif
 	touch $@
 
 demo: install
-	$(VENV)/bin/gsm8kctl loop --config configs/demo.yaml --run-dir runs/demo
+	$(VENV)/bin/gsm8kctl loop --run-dir runs/demo
 
 test: install
 	$(PY) -m pytest -x -q --timeout=900

@@ -105,6 +105,11 @@ def _handle_errors(fn):
                     _discard_stdout()
                 typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
                 raise typer.Exit(EXIT_INTERNAL)
+            from gsm8kctl import oom
+
+            if oom.is_oom(exc):  # a shared GPU filled up: expected, not a bug (gsm8kctl/oom.py)
+                typer.echo(f"Error: {oom.describe(fn.__name__.rstrip('_').replace('_', '-'))}", err=True)
+                raise typer.Exit(EXIT_INTERNAL)
             if _is_path_error(exc):  # a path the stages' checks did not foresee: still the user's input
                 typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
                 raise typer.Exit(EXIT_BAD_INPUT)

@@ -215,8 +215,8 @@ def load_config(config_file: str | Path | None = None, overrides: Iterable[str] 
         if value is not None:
             _merge(cfg, _nested(key, value), _option_source(key), origins)
     chosen = sizes.resolve(cfg)
-    for key in chosen:
-        origins[key] = f"{key}=auto ({cfg['machine']})"
+    # First in setting order: a rule between keys blames what the user set, not the machine's size.
+    origins = {**{key: f"{key}=auto ({cfg['machine']})" for key in chosen if key not in origins}, **origins}
     if sizes_chosen is not None:
         sizes_chosen.update(chosen)
     return validate(cfg, origins, command=command, fallback=DEFAULTS_SOURCE)

@@ -249,11 +249,11 @@ class Config:
     use_rejection_sampling: bool
     test_every_n_iterations: NonNegInt                # 0 = never evaluate
     eval_limit: Optional[Count]
+    validation_problems: NonNegInt                    # held out of the train file; 0 = none
     warmup_sft_steps: NonNegInt
     warmup_sft_problems: NonNegInt                    # >= 1 when used (a rule below)
     warmup_sft_learning_rate: Optional[PosFloat]      # null = finetune.learning_rate
     test_before_warmup: bool
-    validation_problems: NonNegInt                    # held out of the train file; 0 = none
     stop_without_signal: NonNegInt                    # 0 = never stop
     report_to: list[Tracker]
     warn_passes: Optional[PosFloat]

@@ -32,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
+from gsm8kctl import oom
 from gsm8kctl.config import save_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import JsonlAppender, atomic_write_json, read_jsonl, write_jsonl
@@ -284,6 +285,7 @@ class Trainer:
         self.out_dir = Path(out_dir)
         # The in-process engine sets this: a phase's last save writes in a thread (see `save`).
         self.background_saves = False
+        self.token_budget = None  # set smaller than finetune.token_budget after an out-of-memory
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self.pending: Path | None = None  # the checkpoint that thread is writing
@@ -421,22 +423,92 @@ class Trainer:
         """One optimizer step over the step's global batch; returns its metrics line."""
         import torch
 
-        from gsm8kctl import losses, packing
-        from gsm8kctl.logprobs import pad_batch
+        from gsm8kctl import losses
 
-        ft, rl, objective = cfg["finetune"], cfg["finetune"]["rl"], cfg["finetune"]["objective"]
+        ft, objective = cfg["finetune"], cfg["finetune"]["objective"]
         acc, model, device, world = self.accelerator, self.model, self.device, self.world
         t0 = time.perf_counter()
         lengths = [len(s["input_ids"]) for s in samples]
         epoch, pos = divmod(self.step - plan.phase_start, plan.per_epoch)
         step_idx = step_batches(len(samples), plan.global_batch, int(cfg["seed"]), plan.fingerprint, epoch)[pos]
-        mbs = micro_batches(step_idx, lengths, self.rank, world, int(ft["token_budget"]), int(ft["train_batch_size"]),
-                            packed=self.packed)
-        dummy = not mbs  # fewer samples than processes: run one zero-weight pass to join the all-reduce
-        if dummy:
-            mbs = [step_idx[:1]]
         # Exact token mean over the step; DDP averages gradients over processes, hence × world.
         normalizer = sum(len(samples[i]["input_ids"]) - samples[i]["prompt_len"] for i in step_idx) / world
+        # Out of memory: the same samples again in micro-batches of half the tokens (gsm8kctl/oom.py).
+        budget, retries = self.token_budget or int(ft["token_budget"]), []
+        while True:
+            mbs = micro_batches(step_idx, lengths, self.rank, world, budget, int(ft["train_batch_size"]),
+                                packed=self.packed)
+            dummy = not mbs  # fewer samples than processes: run one zero-weight pass to join the all-reduce
+            if dummy:
+                mbs = [step_idx[:1]]
+            failed = False
+            try:
+                sums = self._accumulate(samples, mbs, cfg, epoch=epoch, normalizer=normalizer, dummy=dummy)
+            except Exception as exc:  # noqa: BLE001 - only an out-of-memory is handled
+                if not oom.is_oom(exc):
+                    raise
+                failed = True
+            if not failed:
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # what the failed micro-batches accumulated
+            oom.release()
+            if world > 1 or all(len(mb) == 1 for mb in mbs):  # ranks must agree; one sample is the floor
+                raise oom.OutOfMemory(oom.describe(f"finetune step {self.step + 1} (micro-batches of "
+                                                   f"{budget} tokens)"))
+            budget = max(1, budget // 2)
+            retries.append(f"out of memory in finetune step {self.step + 1}: retried in micro-batches of "
+                           f"{budget} tokens")
+            say(f"warning: {retries[-1]}")
+        self.token_budget = budget  # later steps keep the size that fits
+
+        clip = float(ft["gradient_clipping_threshold"] or 0.0)
+        grad_norm = acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        lr = lr_at(self.step, base=float(ft["learning_rate"]), schedule=ft["lr_scheduler"],
+                   warmup=int(ft["warmup_steps"]), horizon=plan.horizon)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        # One all-reduce of the summed statistics per step (after the sync pass)
+        keys = ("tokens", "loss_sum", "ratio_sum", "ratio_tokens", "clipped", "kl_sum", "kl_tokens",
+                "entropy_sum", "samples", "real_tokens", "drift_sum", "drift_tokens")
+        vec = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float32, device=device).reshape(())
+                           for k in keys])
+        vec = acc.reduce(vec, reduction="sum") if world > 1 else vec
+        total = dict(zip(keys, vec.tolist()))
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        means = losses.summarize({k: v for k, v in total.items()
+                                  if k in ("tokens", "loss_sum", "ratio_sum", "ratio_tokens", "kl_sum",
+                                           "kl_tokens") or (k == "clipped" and objective == "grpo")})
+        return {
+            "step": self.step, "epoch": epoch, "phase": plan.fingerprint, "loss": means["loss_per_token"], "lr": lr,
+            "grad_norm": float(grad_norm), "tokens": int(total["real_tokens"]),
+            "completion_tokens": int(total["tokens"]), "samples": int(total["samples"]),
+            "tokens_per_s": round(total["real_tokens"] / dt, 1), "samples_per_s": round(total["samples"] / dt, 3),
+            "ratio_mean": means["ratio_mean"], "clip_frac": means["clip_frac"], "kl": means["kl"],
+            "entropy": total["entropy_sum"] / total["tokens"] if total["tokens"] else None,
+            "drift_old_new": total["drift_sum"] / total["drift_tokens"] if total["drift_tokens"] else None,
+            "micro_batches": len(mbs), "packing": ("flash" if self.flash else "sdpa") if self.packed else None,
+            **({"oom_retries": retries} if retries else {}),
+            "time_s": round(dt, 4),
+            "max_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if self.cuda else None,
+        }
+
+    def _accumulate(self, samples: list[dict], mbs: list[list[int]], cfg: dict, *, epoch: int,
+                    normalizer: float, dummy: bool) -> dict:
+        """Forward and backward over the step's micro-batches, gradients accumulated; the summed
+        statistics of the step on this process."""
+        import torch
+
+        from gsm8kctl import losses, packing
+        from gsm8kctl.logprobs import pad_batch
+
+        rl, objective = cfg["finetune"]["rl"], cfg["finetune"]["objective"]
+        acc, model, device = self.accelerator, self.model, self.device
         autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if self.bf16
                     else contextlib.nullcontext())
         sums: dict = {}
@@ -487,41 +559,7 @@ class Trainer:
                 part["drift_tokens"] = om.sum().float()
             losses.add_sums(sums, part)
 
-        clip = float(ft["gradient_clipping_threshold"] or 0.0)
-        grad_norm = acc.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-        lr = lr_at(self.step, base=float(ft["learning_rate"]), schedule=ft["lr_scheduler"],
-                   warmup=int(ft["warmup_steps"]), horizon=plan.horizon)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-
-        # One all-reduce of the summed statistics per step (after the sync pass)
-        keys = ("tokens", "loss_sum", "ratio_sum", "ratio_tokens", "clipped", "kl_sum", "kl_tokens",
-                "entropy_sum", "samples", "real_tokens", "drift_sum", "drift_tokens")
-        vec = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float32, device=device).reshape(())
-                           for k in keys])
-        vec = acc.reduce(vec, reduction="sum") if world > 1 else vec
-        total = dict(zip(keys, vec.tolist()))
-        if self.cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        means = losses.summarize({k: v for k, v in total.items()
-                                  if k in ("tokens", "loss_sum", "ratio_sum", "ratio_tokens", "kl_sum",
-                                           "kl_tokens") or (k == "clipped" and objective == "grpo")})
-        return {
-            "step": self.step, "epoch": epoch, "phase": plan.fingerprint, "loss": means["loss_per_token"], "lr": lr,
-            "grad_norm": float(grad_norm), "tokens": int(total["real_tokens"]),
-            "completion_tokens": int(total["tokens"]), "samples": int(total["samples"]),
-            "tokens_per_s": round(total["real_tokens"] / dt, 1), "samples_per_s": round(total["samples"] / dt, 3),
-            "ratio_mean": means["ratio_mean"], "clip_frac": means["clip_frac"], "kl": means["kl"],
-            "entropy": total["entropy_sum"] / total["tokens"] if total["tokens"] else None,
-            "drift_old_new": total["drift_sum"] / total["drift_tokens"] if total["drift_tokens"] else None,
-            "micro_batches": len(mbs), "packing": ("flash" if self.flash else "sdpa") if self.packed else None,
-            "time_s": round(dt, 4),
-            "max_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if self.cuda else None,
-        }
+        return sums
 
     # ------------------------------------------------------------------ checkpoint
     def save(self, cfg: dict, phase: dict, global_batch: int, *, background: bool = False) -> Path | None:

@@ -100,7 +100,7 @@ CASES = [
     Case("loop-iterations-option", [*LOOP, "--iterations", "-1"], "option --iterations: iterations must be >= 0"),
     Case("loop-forks-below-attempts", [*LOOP, "--attempts", "1000"],
          "option --attempts: need max_agent_forks >= attempts"),
-    Case("loop-kl-without-reference", [*LOOP, "finetune.rl.kl_coef=0.1"],
+    Case("loop-kl-without-reference", [*LOOP, "filter.ref_model=null", "finetune.rl.kl_coef=0.1"],
          "override 'finetune.rl.kl_coef=0.1': finetune.rl.kl_coef > 0 needs ref_logprobs"),
     Case("loop-warm-start-without-problems", [*LOOP, "warmup_sft_steps=4", "warmup_sft_problems=0"],
          "override 'warmup_sft_problems=0': warmup_sft_problems must be >= 1 when warmup_sft_steps > 0"),

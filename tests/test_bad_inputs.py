@@ -350,7 +350,9 @@ PATHS = [
                                                   "nosuch-org/nosuch-model"], "nosuch-org/nosuch-model",
          files(tapes_jsonl=TAPES)),
     # `start` names a loop's starting model: outside the loop it is refused, not taken for a path
-    Case("filter-ref-model-start-outside-the-loop", ["filter", T, "-o", "{tmp}/s.jsonl", "filter.ref_model=start"],
+    # The config's `start` (the default) means the loop's warm start, and none in a filter alone;
+    # naming it as the model to score with is a mistake.
+    Case("filter-ref-model-start-outside-the-loop", ["filter", T, "-o", "{tmp}/s.jsonl", "--ref-model", "start"],
          "filter.ref_model 'start'", files(tapes_jsonl=TAPES)),
     # refused runs write no config: sample's <out>.config.yaml, loop's config.yaml
     Case("sample-refused-writes-no-config", ["sample", "-o", T, "--problem-ids", "train-99999", "--model", "{tiny}"],

@@ -177,6 +177,9 @@ BAD = [
     ("report_to=5", "report_to", "must be a list"),
     ("backend=tensorrt", "backend", "one of auto, transformers, vllm, openai"),
     ("seed=-1", "seed", "in [0, 2147483647]"),
+    ("machine=tpu", "machine", "must be one of auto, gpu, cpu"),
+    ("validation_problems=-1", "validation_problems", ">= 0"),
+    ("stop_without_signal=-2", "stop_without_signal", ">= 0"),
     ("model=", "model", "must be a string"),
     ("model=' '", "model", "must not be empty"),
     ("agent.reward_extractor=bogus", "agent.reward_extractor", "one of strict, lenient, got 'bogus'"),
@@ -378,15 +381,15 @@ def test_loop_needs_max_agent_forks_at_least_attempts():
 def test_warm_start_needs_problems():
     with pytest.raises(UserError, match="warmup_sft_problems must be >= 1 when warmup_sft_steps > 0"):
         load_config(None, ["warmup_sft_steps=4", "warmup_sft_problems=0"])
-    assert load_config(None, ["warmup_sft_problems=0"])["warmup_sft_problems"] == 0  # unused: fine
+    assert load_config(None, ["warmup_sft_steps=0", "warmup_sft_problems=0"])["warmup_sft_problems"] == 0  # unused: fine
 
 
 def test_loop_kl_needs_a_reference_model():
     for key in ("finetune.rl.kl_coef", "finetune.rl.implicit_kl_coef"):
         with pytest.raises(UserError, match=rf"^override '{key}=0.1': {key} > 0 needs .*filter.ref_model"):
-            load_config(None, [f"{key}=0.1"], command="loop")
+            load_config(None, ["filter.ref_model=null", f"{key}=0.1"], command="loop")
         load_config(None, [f"{key}=0.1", "filter.ref_model=smollm2-135m"], command="loop")
-        load_config(None, [f"{key}=0.1"], command="filter")  # filter --ref-model can supply it
+        load_config(None, ["filter.ref_model=null", f"{key}=0.1"], command="filter")  # filter --ref-model can supply it
 
 
 # ---------------------------------------------------------------------------------------------

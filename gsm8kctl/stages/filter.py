@@ -110,7 +110,11 @@ def _outcome(t: dict) -> str:
 
 def score_in_chunks(scorer: Scorer, prompts: list[list[int]], completions: list[list[int]],
                     token_budget: int) -> list[list[float]]:
-    """Call `scorer` on consecutive slices of at most `token_budget` tokens (one row at least)."""
+    """Call `scorer` on consecutive slices of at most `token_budget` tokens (one row at least).
+    Out of memory, the slice is scored again at half the budget (gsm8kctl/oom.py); the budget
+    stays halved for the slices after it."""
+    from gsm8kctl import oom
+
     out: list[list[float]] = []
     start = 0
     while start < len(prompts):
@@ -121,7 +125,21 @@ def score_in_chunks(scorer: Scorer, prompts: list[list[int]], completions: list[
                 break
             used += n
             end += 1
-        part = scorer(prompts[start:end], completions[start:end])
+        try:
+            part = scorer(prompts[start:end], completions[start:end])
+        except Exception as exc:  # noqa: BLE001 - only an out-of-memory is handled
+            if not oom.is_oom(exc):
+                raise
+            part = None
+        if part is None:
+            oom.release()
+            if end - start == 1:
+                raise oom.OutOfMemory(oom.describe(f"scoring with the reference model (one completion of "
+                                                   f"{used} tokens)")) from None
+            token_budget = max(1, min(token_budget, used) // 2)
+            say(f"warning: out of memory scoring {end - start} completions ({used} tokens): retrying in "
+                f"chunks of {token_budget} tokens")
+            continue
         if len(part) != end - start:
             raise RuntimeError(f"scorer returned {len(part)} rows for {end - start} completions")
         for lp, c in zip(part, completions[start:end]):

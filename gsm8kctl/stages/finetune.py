@@ -110,11 +110,15 @@ def run_finetune(
     _check_out(out_dir, samples_paths, cfg)
 
     start, resume, note = _resolve_start(out_dir, init, cfg)
+    kl = ft["rl"]["kl_coef"]
     samples = _load_and_check(samples_paths, start, cfg, objective)
     if not resume:  # a model not ours: one line if transformers cannot read it, before any output
         from gsm8kctl.models import check_transformers_reads
 
         check_transformers_reads(start)
+    if kl != ft["rl"]["kl_coef"]:  # said once every check has passed: a refused run prints one line
+        say(f"warning: finetune.rl.kl_coef={kl:g} but no sample carries ref_logprobs (filter without "
+            "--ref-model): training without the KL term")
     if not quiet:
         say(note)
 
@@ -201,9 +205,7 @@ def _load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str)
         n = sum(s.get("ref_logprobs") is None for s in samples)
         if n == len(samples):
             # The default config's KL term (the loop's, to its warm start) on samples filtered
-            # without a reference: train without it, and say so, rather than refuse the pipeline.
-            say(f"warning: finetune.rl.kl_coef={ft['rl']['kl_coef']:g} but no sample carries ref_logprobs "
-                "(filter without --ref-model): training without the KL term")
+            # without a reference: train without it (run_finetune says so), not refuse the pipeline.
             ft["rl"]["kl_coef"] = 0.0
         elif n:
             raise UserError(f"finetune.rl.kl_coef > 0 needs ref_logprobs; {n} of {len(samples)} samples "

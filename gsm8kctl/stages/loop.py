@@ -178,6 +178,9 @@ def _finetune_summary(run_dir: Path, samples_path: Path) -> dict:
                              ("train_kl_mean", "kl", _mean)):
         values = [r[src] for r in lines if r.get(src) is not None]
         out[key] = round(reduce(values), 4) if values else None
+    retries = [m for r in lines for m in r.get("oom_retries", [])]
+    if retries:  # the trainer's out-of-memory retries become the iteration's warnings
+        out["oom_retries"] = retries
     return out
 
 
@@ -489,9 +492,10 @@ class _Context:
         row["seconds"] = self.state["timings"].get(str(it), {})
         path = self.run_dir / RUN_METRICS_FILE
         rows = [r for r in read_jsonl(path) if r["iteration"] != it] if path.exists() else []
-        row["warnings"] = iteration_warnings(row, rows, self.cfg)
+        guard = iteration_warnings(row, rows, self.cfg)
+        row["warnings"] = row.pop("oom_retries", []) + guard  # the retries were said when they happened
         row["no_signal"] = no_signal(row, self.cfg)
-        for w in row["warnings"]:
+        for w in guard:
             say(f"warning: iteration {it}: {w}", self.quiet)
         if row["no_signal"]:
             say(f"warning: iteration {it} gave nothing to learn from: {row['no_signal']}", self.quiet)

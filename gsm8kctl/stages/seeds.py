@@ -19,7 +19,6 @@ or control is not redone, an unfinished one goes on from its run directory.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys

@@ -1,0 +1,62 @@
+"""Out of memory: an expected event on a shared GPU, not an internal error.
+
+A GPU is often shared (several seeds at once, other programs), so an allocation can fail at any
+phase. Where work can be split smaller without changing what is computed, the phase retries
+smaller a bounded number of times: the trainer halves its micro-batch token budget (the same
+samples feed the same optimizer step; only the split into micro-batches differs), scoring halves
+its chunk. Each retry is one warning line. When the smallest size fails too, `OutOfMemory` ends
+the command with exit 1 and one line: what this process holds, what others hold, and that the
+same command resumes.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from gsm8kctl.errors import Stopped
+
+
+class OutOfMemory(Stopped):
+    """The smallest size still did not fit: exit 1 with `describe()`'s line."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    """A failed allocation: torch's OutOfMemoryError (CUDA), a MemoryError, or a CUDA/cuBLAS
+    error whose message says out of memory."""
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def release() -> None:
+    """Give back what the failed attempt left allocated, before a smaller one."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe(where: str) -> str:
+    """One line for the user: where it failed, who holds the GPU's memory, what to do."""
+    held = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            ours = torch.cuda.memory_reserved()
+            others = max(0, total - free - ours)
+            held = (f"; this process holds {ours / 2**30:.1f} GiB, other processes {others / 2**30:.1f} GiB "
+                    f"of the GPU's {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free)")
+    except Exception:  # noqa: BLE001 - the message must come out even if the driver will not answer
+        pass
+    return (f"out of memory in {where}{held}. Free memory (other programs on the GPU) or lower "
+            "finetune.token_budget, filter.score_token_budget or sampling.kv_memory_fraction, then run "
+            "the same command again: it resumes where it stopped")

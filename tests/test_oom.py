@@ -1,0 +1,132 @@
+"""Out of memory, injected on the CPU (tests/oom_fault.py): retried smaller where the work splits
+without changing what is computed, else one clear line and exit 1; nothing lost, and the same
+command resumes to what an uninterrupted run gives."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_cli
+from gsm8kctl.jsonl import read_jsonl
+
+FAULT = REPO / "tests" / "oom_fault.py"
+FT = ["--steps", "3", "finetune.train_batch_size=8", "finetune.token_budget=8192", "finetune.dtype=float32",
+      "finetune.learning_rate=1e-3", "--quiet"]
+
+
+def _fault_env(tmp: Path, spec: str) -> dict:
+    d = tmp / "fault"
+    d.mkdir(exist_ok=True)
+    shutil.copy(FAULT, d / "sitecustomize.py")
+    return {"PYTHONPATH": str(d), "GSM8KCTL_TEST_OOM": spec}
+
+
+def _weights(run: Path) -> dict:
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def gold(tiny_model_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gold") / "gold.jsonl"
+    run_cli("filter", "--gold", "--n-problems", "24", "--model", tiny_model_dir, "-o", str(path), check=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_model_dir, gold, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("clean") / "run"
+    run_cli("finetune", str(gold), "--out", str(run), "--init", tiny_model_dir, *FT, check=True)
+    return run
+
+
+def test_finetune_retries_smaller_and_learns_the_same(tiny_model_dir, gold, clean_run, tmp_path):
+    """Micro-batches of more than 2 samples fail 3 times: the budget halves until they fit, and
+    the same samples feed the same steps."""
+    run = tmp_path / "run"
+    proc = run_cli("finetune", str(gold), "--out", str(run), "--init", tiny_model_dir, *FT,
+                   env=_fault_env(tmp_path, "train:2:3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: out of memory in finetune step")]
+    assert len(warned) == 3 and warned[-1].endswith("retried in micro-batches of 1024 tokens")
+    steps = list(read_jsonl(run / "finetune" / "metrics.jsonl"))
+    assert [len(s.get("oom_retries", [])) for s in steps] == [3, 0, 0]
+    assert all(s["micro_batches"] > 1 for s in steps)  # later steps keep the size that fit
+    clean = list(read_jsonl(clean_run / "finetune" / "metrics.jsonl"))
+    assert [s["micro_batches"] for s in clean] == [1, 1, 1]
+    ours, theirs = _weights(run), _weights(clean_run)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_finetune_gives_up_with_one_line_then_resumes(tiny_model_dir, gold, clean_run, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("finetune", str(gold), "--out", str(run), "--init", tiny_model_dir, *FT,
+                   env=_fault_env(tmp_path, "train:0:-1"))  # even one sample fails
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("warning:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr and "Internal error" not in proc.stderr
+    assert lines[0].startswith("Error: out of memory in finetune step 1")
+    assert "run the same command again: it resumes where it stopped" in lines[0]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").glob("step-*"))  # nothing half-written
+    again = run_cli("finetune", str(gold), "--out", str(run), "--init", tiny_model_dir, *FT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    ours, theirs = _weights(run), _weights(clean_run)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
+
+
+def test_reference_scoring_halves_its_chunk(tiny_model_dir, tmp_path):
+    """filter's reference log-probs: a chunk of more than 3 completions fails twice, and the
+    samples come out as without the fault."""
+    tapes = tmp_path / "tapes.jsonl"
+    run_cli("sample", "--model", tiny_model_dir, "--backend", "transformers", "--n-problems", "4", "--attempts", "2",
+            "--max-tokens", "8", "-o", str(tapes), "transformers.dtype=float32", "--quiet", check=True)
+    args = ["filter", str(tapes), "--mode", "all", "--keep-uniform-groups", "--ref-model", tiny_model_dir,
+            "--ref-backend", "transformers", "transformers.dtype=float32", "--quiet"]
+    clean = run_cli(*args, "-o", str(tmp_path / "clean.jsonl"))
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    proc = run_cli(*args, "-o", str(tmp_path / "retried.jsonl"), env=_fault_env(tmp_path, "score:3:2"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("warning: out of memory scoring") == 2
+    ours, theirs = list(read_jsonl(tmp_path / "retried.jsonl")), list(read_jsonl(tmp_path / "clean.jsonl"))
+    assert len(ours) == len(theirs) == 8
+    for a, b in zip(ours, theirs):
+        assert a["input_ids"] == b["input_ids"]
+        assert a["ref_logprobs"] == pytest.approx(b["ref_logprobs"], abs=1e-5)
+    stuck = run_cli(*args, "-o", str(tmp_path / "stuck.jsonl"), env=_fault_env(tmp_path, "score:0:-1"))
+    assert stuck.returncode == 1 and "Error: out of memory in scoring with the reference model" in stuck.stderr
+    assert "Traceback" not in stuck.stderr and not (tmp_path / "stuck.jsonl").exists()
+
+
+def test_sampling_out_of_memory_is_one_line_and_the_rerun_resumes(tiny_model_dir, tmp_path):
+    out = tmp_path / "tapes.jsonl"
+    args = ["sample", "--model", tiny_model_dir, "--backend", "transformers", "--n-problems", "3", "--attempts", "2",
+            "--max-tokens", "8", "-o", str(out), "--quiet"]
+    proc = run_cli(*args, env=_fault_env(tmp_path, "sample:0:-1"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: out of memory in sample")
+    assert "Internal error" not in proc.stderr and "resumes where it stopped" in lines[0]
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(list(read_jsonl(out))) == 6
+
+
+def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), "--backend", "transformers",
+                   "--iterations", "1", "--attempts", "2", "max_agent_forks=8", "sampling.max_tokens=6",
+                   "warmup_sft_steps=0", "validation_problems=0", "test_every_n_iterations=0",
+                   "filter.ref_model=null", "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false",
+                   "finetune.rl.use_advantages=false", "finetune.train_batch_size=8", "stop_without_signal=0",
+                   "loop.engine=inprocess", env=_fault_env(tmp_path, "train:2:2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(r for r in read_jsonl(run / "metrics.jsonl") if r["iteration"] == 0)
+    assert [w for w in row["warnings"] if w.startswith("out of memory in finetune step 1")] == row["warnings"][:2]
+    assert json.loads((run / "state.json").read_text())["phase"] == "done"

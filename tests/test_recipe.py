@@ -1,0 +1,186 @@
+"""The default recipe's parts on a CPU: sizes that follow the machine, the validation split, the
+stop when an iteration gives nothing to learn from, one seed meaning one run, and the seeds and
+control commands on the tiny model."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import GSM8K_DIR, run_cli
+from gsm8kctl.config import load_config
+from gsm8kctl.data import split_problems
+from gsm8kctl.jsonl import read_jsonl
+from gsm8kctl.sizes import SIZE_KEYS
+from gsm8kctl.stages.loop import no_signal
+
+# A loop of the tiny model that runs in seconds: the recipe's shape (a warm start, a validation
+# split, the KL to the warm start), sizes cut down.
+SMALL = ["--backend", "transformers", "loop.engine=inprocess", "transformers.dtype=float32",
+         "sampling.max_tokens=6", "evaluation.max_tokens=6", "eval_limit=3", "validation_problems=3",
+         "warmup_sft_steps=2", "warmup_sft_problems=8", "max_agent_forks=8", "attempts=2",
+         "finetune.train_batch_size=4", "sampling.batch_size=1"]
+
+
+def test_auto_sizes_follow_the_machine_and_a_key_set_wins():
+    for machine, column in (("gpu", 0), ("cpu", 1)):
+        chosen: dict = {}
+        cfg = load_config(None, [f"machine={machine}", "iterations=7"], command="loop", sizes_chosen=chosen)
+        assert cfg["iterations"] == 7 and "iterations" not in chosen  # the user's value wins
+        for key, values in SIZE_KEYS.items():
+            if key == "iterations":
+                continue
+            section, _, name = key.rpartition(".")
+            value = cfg[section][name] if section else cfg[name]
+            assert value == values[column] and chosen[key] == values[column], key
+    # machine=auto on this CPU-only machine is the CPU column, and the saved config holds numbers.
+    cfg = load_config(None, [], command="loop")
+    assert cfg["machine"] == "cpu" and cfg["warmup_sft_steps"] == SIZE_KEYS["warmup_sft_steps"][1]
+    assert "auto" not in [cfg[k] for k in SIZE_KEYS if "." not in k]
+    # A size set to auto again on the command line is the machine's too; a bad value is still refused.
+    assert load_config(None, ["attempts=auto", "machine=gpu"])["attempts"] == SIZE_KEYS["attempts"][0]
+    proc = run_cli("loop", "--run-dir", "/nonexistent/x", "attempts=many")
+    assert proc.returncode == 2 and "attempts must be an integer" in proc.stderr
+
+
+def test_validation_split_is_held_out_by_seed():
+    cfg = load_config(None, ["validation_problems=500"])
+    train, held = split_problems(cfg, "train"), split_problems(cfg, "validation")
+    n = sum(1 for _ in open(GSM8K_DIR / "train.jsonl"))
+    assert len(held) == 500 and len(train) == n - 500
+    assert not {p["id"] for p in train} & {p["id"] for p in held}
+    assert held == split_problems(load_config(None, ["validation_problems=500"]), "validation")  # fixed by seed
+    assert held != split_problems(load_config(None, ["validation_problems=500", "seed=7"]), "validation")
+    assert len(split_problems(load_config(None, ["validation_problems=0"]), "train")) == n
+    with pytest.raises(Exception, match="would hold out all"):
+        split_problems(load_config(None, [f"validation_problems={n}"]), "train")
+
+
+def test_stages_see_the_splits(tmp_path, tiny_model_dir):
+    """filter --gold --split train never makes a sample of a held-out problem; evaluate
+    --split validation evaluates exactly the held-out ones."""
+    held = {p["id"] for p in split_problems(load_config(None, ["validation_problems=40"]), "validation")}
+    gold = tmp_path / "gold.jsonl"
+    run_cli("filter", "--gold", "--split", "train", "--n-problems", "200", "--model", tiny_model_dir,
+            "-o", str(gold), "validation_problems=40", check=True)
+    ids = {s["problem_id"] for s in read_jsonl(gold)}
+    assert len(ids) == 200 and not ids & held
+    run_cli("evaluate", "--split", "validation", "--model", tiny_model_dir, "--backend", "transformers",
+            "-o", str(tmp_path / "ev"), "validation_problems=40", "evaluation.max_tokens=2", "--quiet", check=True)
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["split"] == "validation" and metrics["n"] == 40
+    assert {t["problem_id"] for t in read_jsonl(tmp_path / "ev" / "tapes.jsonl")} == held
+
+
+def _row(**kw):
+    row = {"attempts": 64, "problems": 16, "train_success_rate": 0.0, "format_rate": 0.0,
+           "overflow_rate": 0.0, "mean_output_tokens": 80.0, "uniform_groups": 16}
+    row.update(kw)
+    return row
+
+
+def test_no_signal_tells_the_causes_apart():
+    cfg = load_config(None, [])
+    assert "raise sampling.max_tokens" in no_signal(_row(overflow_rate=0.6, format_rate=0.01), cfg)
+    assert "agent.few_shot" in no_signal(_row(format_rate=0.01), cfg)
+    assert "formatted but wrong" in no_signal(_row(format_rate=0.5), cfg)
+    uniform = no_signal(_row(train_success_rate=0.2, format_rate=0.9), cfg)
+    assert "all attempts scored alike" in uniform and "attempts" in uniform
+    assert no_signal(_row(train_success_rate=0.2, format_rate=0.9, uniform_groups=10), cfg) is None
+    # Rejection sampling trains on all-correct groups too: uniform is not "nothing".
+    rs = load_config(None, ["use_rejection_sampling=true"])
+    assert no_signal(_row(train_success_rate=1.0, format_rate=1.0), rs) is None
+    assert no_signal({"iteration": 3, "test_accuracy_strict": 0.1}, cfg) is None  # an evaluation-only row
+
+
+def test_a_loop_without_signal_stops_with_exit_1_and_resumes(tmp_path, tiny_model_dir):
+    """The tiny random model never earns a reward: the default stops it after 2 such iterations."""
+    run = tmp_path / "run"
+    args = ["loop", "--model", tiny_model_dir, "--run-dir", str(run), *SMALL, "--iterations", "5",
+            "test_every_n_iterations=0"]
+    proc = run_cli(*args)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and "stopped after 2 iterations in a row with nothing to learn from" in last
+    assert "raise sampling.max_tokens (now 6)" in last and "Traceback" not in proc.stderr
+    assert "warning: iteration 0 gave nothing to learn from" in proc.stderr
+    rows = list(read_jsonl(run / "metrics.jsonl"))
+    assert [r["iteration"] for r in rows] == [-1, 0, 1] and rows[1]["no_signal"] and rows[2]["no_signal"]
+    state = json.loads((run / "state.json").read_text())
+    assert (state["iteration"], state["phase"]) == (2, "evaluate")  # saved: the same command goes on
+    again = run_cli(*args, "stop_without_signal=0", "--iterations", "3")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [-1, 0, 1, 2, 3]
+
+
+def test_one_seed_samples_the_same_tokens_in_any_run_directory(tmp_path, tiny_model_dir):
+    """After a warm start the sampling model lies inside the run directory; its path must not
+    change what a seed samples (CPU, float32)."""
+    tapes = []
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *SMALL, "--iterations", "1",
+                "test_every_n_iterations=0", "stop_without_signal=0", check=True)
+        found = sorted(read_jsonl(run / "iterations" / "0000" / "tapes.jsonl"),
+                       key=lambda t: (t["problem_id"], t["attempt"]))
+        assert found and str(run) in found[0]["model"]  # sampled by the warm start's checkpoint
+        tapes.append([(t["problem_id"], t["attempt"], t["completion_token_ids"]) for t in found])
+    assert tapes[0] == tapes[1]
+
+
+def test_seeds_runs_each_loop_and_its_control_and_reports_medians(tmp_path, tiny_model_dir):
+    run = tmp_path / "seeds"
+    args = ["seeds", "--run-dir", str(run), "--seeds", "3,5", f"model={tiny_model_dir}", "backend=transformers", *SMALL[2:],
+            "iterations=1", "stop_without_signal=0", "filter.drop_uniform_groups=false",
+            "finetune.rl.use_advantages=false", "--json"]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary == json.loads((run / "seeds.json").read_text())
+    assert set(summary["seeds"]) == {"3", "5"} and (run / "seeds.png").read_bytes()[:4] == b"\x89PNG"
+    for s in (3, 5):
+        loop_cfg = load_config(run / f"seed-{s}" / "config.yaml", [])
+        assert loop_cfg["seed"] == s and loop_cfg["machine"] == "cpu"
+        rows = {r["iteration"]: r for r in read_jsonl(run / f"seed-{s}" / "metrics.jsonl")}
+        result = summary["seeds"][str(s)]
+        assert result["done"] and result["warm_start"] == rows[0]["test_accuracy_strict"]
+        assert result["chosen_on"] == "validation" and result["last_iteration"] == 1
+        control = list(read_jsonl(run / f"seed-{s}" / "control" / "metrics.jsonl"))
+        # The control trained as many tokens as RL had before the chosen checkpoint's evaluation.
+        assert [r["iteration"] for r in control] == [result["chosen_iteration"]]
+        assert result["control"] == control[0]["test_accuracy_strict"] and control[0]["test_n"] == 3
+    warm = [r["warm_start"] for r in summary["seeds"].values()]
+    assert summary["summary"]["warm_start"] == {"median": round(sorted(warm)[0] / 2 + sorted(warm)[1] / 2, 4),
+                                                "min": min(warm), "max": max(warm), "n": 2}
+    # A rerun resumes: nothing is trained or evaluated again.
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("metrics.json*")}
+    assert len(before) > 10  # the loops' and the controls' metrics, their evaluations', finetune's
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout) == summary
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("metrics.json*")} == before
+
+
+def test_control_matches_the_rl_runs_tokens(tmp_path, tiny_model_dir):
+    """At the last evaluation of a run that trained, the control trains ceil(tokens / tokens per
+    step) SFT steps from the run's warm start."""
+    run = tmp_path / "run"
+    run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *SMALL, "--iterations", "2",
+            "stop_without_signal=0", "filter.drop_uniform_groups=false", "finetune.rl.use_advantages=false",
+            check=True)
+    from gsm8kctl.stages.control import rl_token_schedule
+
+    _, cumulative = rl_token_schedule(run)
+    assert 0 < cumulative[0] < cumulative[1]
+    out = tmp_path / "control"
+    proc = run_cli("control", str(run), "-o", str(out), "--at", "all", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["iteration"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    assert set(rows) == {0, 1, 2}
+    assert [rows[i]["train_tokens_target"] for i in (0, 1, 2)] == [0, cumulative[0], cumulative[1]]
+    assert rows[0]["train_steps_total"] == 0 < rows[1]["train_steps_total"] <= rows[2]["train_steps_total"]
+    start = json.loads((run / "state.json").read_text())["start_model"]
+    assert rows[0]["model"] == start and Path(rows[2]["model"]).name == f"step-{rows[2]['train_steps_total']:06d}"
+    gold = {s["problem_id"] for s in read_jsonl(out / "gold_samples.jsonl")}
+    held = {t["problem_id"] for t in read_jsonl(run / "validation" / "0000" / "tapes.jsonl")}
+    assert gold and not gold & held  # the control never trains on a validation problem
