@@ -143,7 +143,7 @@ def test_compile_option():
 
 
 def test_resolve_objective():
-    cfg = load_config()
+    cfg = load_config(None, ["use_rejection_sampling=true"])
     assert ft.resolve_objective(cfg) == "sft"  # use_rejection_sampling
     cfg["use_rejection_sampling"] = False
     assert ft.resolve_objective(cfg) == "reinforce"
@@ -418,8 +418,10 @@ def test_bad_inputs(tiny_model_dir, tmp_path):
         run([negative])
     with pytest.raises(UserError, match="grpo needs the sampler's old_logprobs"):
         run(_samples(n=2, old=False), objective="grpo")
-    with pytest.raises(UserError, match="kl_coef > 0 needs ref_logprobs"):
-        run(_samples(n=2), cfg=_cfg("finetune.rl.kl_coef=0.1"))
+    half = _samples(n=2)  # some with ref_logprobs, some without: refused (none at all trains without KL)
+    half[0]["ref_logprobs"] = list(half[0]["old_logprobs"])
+    with pytest.raises(UserError, match="kl_coef > 0 needs ref_logprobs; 1 of 2"):
+        run(half, cfg=_cfg("finetune.rl.kl_coef=0.1"))
     with pytest.raises(UserError, match="prompt_len"):
         run([{**_samples(n=1)[0], "prompt_len": 0}])
     with pytest.raises(UserError, match="train_batch_size"):
