@@ -14,7 +14,7 @@ def test_shell_pipeline_sample_filter_finetune_then_evaluate(tiny_model_dir, tmp
     script = (
         f"set -o pipefail; "
         f"{gk} sample --model {tiny_model_dir} --backend transformers --n-problems 3 --attempts 2 --max-tokens 8 "
-        f"-o - -q | {gk} filter - --mode all -o - -q | tee {tmp_path}/samples.jsonl | "
+        f"-o - -q | {gk} filter - --mode all --keep-uniform-groups -o - -q | tee {tmp_path}/samples.jsonl | "
         f"{gk} finetune - --out {run} --init {tiny_model_dir} --objective reinforce --steps 2 "
         f"finetune.train_batch_size=2 -q && "
         f"{gk} evaluate --model {run} --backend transformers --limit 2 --max-tokens 4 -o {tmp_path}/ev --json -q"
