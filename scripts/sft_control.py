@@ -29,24 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def rl_token_schedule(rl_run: Path) -> tuple[list[dict], dict[int, int]]:
-    """The RL run's metrics rows, and cumulative trained completion tokens after each iteration."""
-    from gsm8kctl.jsonl import read_jsonl
-    from gsm8kctl.rundir import FINETUNE_DIR, RUN_METRICS_FILE, iteration_dir
-    from gsm8kctl.training import METRICS_FILE, fingerprint
-
-    rows = sorted(read_jsonl(rl_run / RUN_METRICS_FILE), key=lambda r: r["iteration"])
-    steps = list(read_jsonl(rl_run / FINETUNE_DIR / METRICS_FILE))
-    cumulative, total = {}, 0
-    for r in rows:
-        samples = iteration_dir(rl_run, r["iteration"]) / "samples.jsonl"
-        if samples.exists():
-            rows_ = list(read_jsonl(samples))
-            if rows_:
-                fp = fingerprint(rows_)
-                total += sum(s["completion_tokens"] for s in steps if s.get("phase") == fp)
-        cumulative[r["iteration"]] = total
-    return rows, cumulative
+from gsm8kctl.stages.control import rl_token_schedule  # noqa: E402 - after the sys.path line
 
 
 def main() -> None:

@@ -359,6 +359,17 @@ PATHS = [
          "train-99999"),
     Case("loop-refused-keeps-config", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}", *DATA],
          "{tmp}/data/train.jsonl", both(data_dir(train=""), files(run__config_yaml=SAVED_CONFIG))),
+    # the validation split, the seeds and control commands
+    Case("loop-validation-holds-out-everything", ["loop", "--run-dir", "{tmp}/run", "--model", "{tiny}",
+                                                  "validation_problems=99999"], "validation_problems=99999"),
+    Case("evaluate-unknown-split", ["evaluate", "--split", "dev", "-o", "{tmp}/ev", "--model", "{tiny}"],
+         "unknown split 'dev'"),
+    Case("seeds-not-integers", ["seeds", "--seeds", "1,x", "--run-dir", "{tmp}/s"], "--seeds"),
+    Case("seeds-repeated", ["seeds", "--seeds", "1,1", "--run-dir", "{tmp}/s"], "give distinct seeds"),
+    Case("seeds-parallel-zero", ["seeds", "--seeds", "1", "--parallel", "0", "--run-dir", "{tmp}/s"], "--parallel"),
+    Case("seeds-foreign-summary", ["seeds", "--seeds", "1", "--run-dir", "{tmp}/s"], "{tmp}/s/seeds.json",
+         files(s__seeds_json='{"mine": 1}')),
+    Case("control-like-not-a-run", ["control", "{tmp}", "-o", "{tmp}/c"], "not a loop's run directory"),
 ]
 
 # --------------------------------------------------------------------------------------------

@@ -90,6 +90,12 @@ def control(cfg: dict, like: str, out: str, *, at: str = "best", quiet: bool = F
     if out_dir.resolve() == rl.resolve():
         raise UserError(f"-o {out}: the control needs a directory of its own, not the RL run's")
     check_output_dir(out_dir, option="-o", files=(RUN_METRICS_FILE, GOLD_FILE), data_dir=cfg["data_dir"])
+    from gsm8kctl.paths import JSONL_RECORDS, SAVED_CONFIG, check_replaceable
+    from gsm8kctl.stages.loop import RUN_METRICS
+
+    check_replaceable(out_dir / RUN_METRICS_FILE, option="-o", kind=RUN_METRICS)
+    check_replaceable(out_dir / GOLD_FILE, option="-o", kind=JSONL_RECORDS)
+    check_replaceable(out_dir / "config.yaml", option="-o", kind=SAVED_CONFIG)
     rows, cumulative = rl_token_schedule(rl)
     targets = matched_iterations(rows, state, at)
     start = state["start_model"]

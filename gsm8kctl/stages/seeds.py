@@ -27,6 +27,7 @@ from pathlib import Path
 
 from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.jsonl import atomic_write_json, read_jsonl
+from gsm8kctl.paths import OwnFile, check_replaceable
 from gsm8kctl.progress import say
 from gsm8kctl.rundir import RUN_METRICS_FILE, load_state
 
@@ -34,6 +35,16 @@ SUMMARY_FILE = "seeds.json"
 PLOT_FILE = "seeds.png"
 CONTROL_DIR = "control"
 METRICS = ("warm_start", "chosen", "ratio", "last", "control", "over_control")
+
+
+def _is_summary(p: Path) -> bool:
+    import json
+
+    data = json.loads(p.read_text(encoding="utf-8"))
+    return isinstance(data, dict) and set(data) == {"seeds", "summary"}
+
+
+SEEDS_SUMMARY = OwnFile(_is_summary, "a seeds summary")  # RUN/seeds.json as `seeds` writes it
 
 
 def seed_dir(run: Path, seed: int) -> Path:
@@ -49,6 +60,7 @@ def seeds(cfg: dict, run_dir: str, *, seed_list: list[int], config: str | None, 
     if len(set(seed_list)) != len(seed_list) or not seed_list:
         raise UserError(f"--seeds: give distinct seeds, got {','.join(map(str, seed_list)) or 'none'}")
     check_output_dir(run, option="--run-dir", files=(SUMMARY_FILE,), data_dir=cfg["data_dir"])
+    check_replaceable(run / SUMMARY_FILE, option="--run-dir", kind=SEEDS_SUMMARY)
     gpu = cfg["machine"] == "gpu"
     if parallel is None:
         parallel = len(seed_list) if gpu else 1
