@@ -195,7 +195,7 @@ def test_guard_on_passes_ratio_and_kl():
 @pytest.mark.parametrize("first, now, fires", [(0.73, 1.76, True), (0.73, 1.46, False), (1.25, 0.55, False),
                                                (None, 3.0, False)])
 def test_guard_on_an_entropy_rise(first, now, fires):
-    # The eighth session's T 0.7 run: 0.73 at iteration 0, 1.76 at 74, 2.73 at 75; the preset's fell 1.25 -> 0.55.
+    # A run at sampling temperature 0.7 (H200, 2026-12-02): 0.73 at iteration 0, 1.76 at 74, 2.73 at 75; the default fell 1.25 -> 0.55.
     earlier = [{"iteration": 1, "train_entropy_mean": 9.0}, {"iteration": 0, "train_entropy_mean": first},
                {"iteration": 2}]  # the first iteration's is the yardstick, whatever order the rows come in
     if first is None:
