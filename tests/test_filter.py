@@ -46,7 +46,9 @@ def tapes_fixture():
 
 @pytest.fixture
 def cfg():
-    return load_config()
+    # These rows count what filter keeps group by group, rejection sampling unless a test says --mode,
+    # uniform groups kept unless a test drops them (the loop's recipe does the opposite by default).
+    return load_config(None, ["filter.drop_uniform_groups=false", "use_rejection_sampling=true"])
 
 
 def test_rejection_counts_dedupe_and_report(cfg):
@@ -218,7 +220,7 @@ def test_run_filter_file_and_stdout(tmp_path, cfg, capsys, monkeypatch):
 
 
 def test_samples_stats():
-    cfg = load_config()
+    cfg = load_config(None, ["filter.drop_uniform_groups=false"])
     samples, _ = flt.filter_tapes(tapes_fixture(), cfg, mode="all")
     st = samples_stats(samples)
     assert st["count"] == 9 and st["problems"] == 3 and st["groups"] == 3
@@ -269,10 +271,11 @@ def test_gold_samples_format_and_tokens(cfg, tokenizer, gsm8k_dir):
 
 def test_gold_prompt_is_the_samplers_prompt_with_few_shot(cfg, tokenizer, gsm8k_dir):
     from gsm8kctl.attempts import prompt_for
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.data import split_problems
 
-    train = load_problems("train", gsm8k_dir)
     cfg["agent"]["few_shot"] = 2
+    # The training split, as the sampler sees it: the validation problems are never few-shot examples.
+    train = split_problems({**cfg, "data_dir": str(gsm8k_dir)}, "train")
     samples, _ = flt.gold_samples(cfg, n_problems=2, data_dir=gsm8k_dir, tokenizer=tokenizer)
     messages, _, ids = prompt_for(cfg, tokenizer, train[1], train)
     assert samples[1]["input_ids"][:samples[1]["prompt_len"]] == ids

@@ -150,6 +150,14 @@ def score_in_chunks(scorer: Scorer, prompts: list[list[int]], completions: list[
     return out
 
 
+def configured_reference(fcfg: dict) -> str | None:
+    """The config's `filter.ref_model` for a filter outside the loop: its `start` (the default)
+    names the loop's warm start, which a filter run alone does not have, so it means none."""
+    from gsm8kctl.rundir import START_MODEL
+
+    return None if fcfg["ref_model"] == START_MODEL else fcfg["ref_model"]
+
+
 def _open_scorer(ref_model: str, ref_backend: str, cfg: dict):
     from gsm8kctl.attempts import check_backend_device
     from gsm8kctl.backends import get_backend
@@ -190,7 +198,7 @@ def filter_tapes(
         raise UserError("--max-per-problem must be at least 1")
     if drop_uniform_groups is None:
         drop_uniform_groups = fcfg["drop_uniform_groups"]
-    ref_model = ref_model or fcfg["ref_model"]
+    ref_model = ref_model or configured_reference(fcfg)
     ref_backend = ref_backend or fcfg["ref_backend"]
     kl_coef = float(rl["implicit_kl_coef"])
     estimator = rl["implicit_kl_estimator"]
@@ -396,9 +404,8 @@ def run_filter(
     if ref_model == START_MODEL:
         raise UserError(f"filter.ref_model '{START_MODEL}' stands for the model a `gsm8kctl loop` started from; "
                         f"here pass the model itself (--ref-model PATH, or ./{START_MODEL} for a directory of that name)")
-    if cfg["filter"]["ref_model"] == START_MODEL:
-        # The config's `start` (the default) means the loop's warm start; run alone, no reference.
-        cfg = {**cfg, "filter": {**cfg["filter"], "ref_model": None}}
+    # The config's `start` (the default) means the loop's warm start; run alone, no reference.
+    cfg = {**cfg, "filter": {**cfg["filter"], "ref_model": configured_reference(cfg["filter"])}}
     if ref_model or cfg["filter"]["ref_model"]:
         from gsm8kctl.models import resolve_model
 
