@@ -192,6 +192,7 @@ class OpenAI:
 class Filter:
     max_per_problem: Optional[Count]
     drop_uniform_groups: bool
+    drop_duplicate_correct: bool
     ref_model: Optional[Name]
     ref_backend: Backend
     score_token_budget: Count
@@ -201,11 +202,13 @@ class Filter:
 class RL:
     algo: RLAlgo
     use_advantages: bool
+    divide_by_std: bool                               # false: Dr. GRPO's A = r - mean
     relu_weights: bool
     kl_coef: NonNegFloat
     implicit_kl_coef: NonNegFloat
     implicit_kl_estimator: KLEstimator
     epsilon: PosFloat                                 # GRPO clip: 0 would freeze the ratio at 1
+    epsilon_high: Optional[PosFloat]                  # DAPO clip-higher; null = epsilon
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,7 @@ class Config:
     warmup_sft_learning_rate: Optional[PosFloat]      # null = finetune.learning_rate
     test_before_warmup: bool
     stop_without_signal: NonNegInt                    # 0 = never stop
+    revisit_share: Annotated[float, Range(ge=0, le=1)]  # of each iteration's problems
     report_to: list[Tracker]
     warn_passes: Optional[PosFloat]
     warn_test_drop: Optional[NonNegFloat]             # accuracy is a fraction: 0.01 = 1 point

@@ -15,7 +15,10 @@ Per-sample reward shaping, before advantages (implicit KL, Ahmadian et al. 2024,
     KL_i = Σ_t exp(ref_t − old_t) − (ref_t − old_t) − 1  estimator k3 (what the original code did)
 
 Group advantages (group = one problem in one iteration):
-    A_i = (r'_i − mean_g r') / (std_g r' + 1e-4)
+    A_i = (r'_i − mean_g r') / (std_g r' + 1e-4)      `divide_by_std` (default)
+    A_i =  r'_i − mean_g r'                           without it (Dr. GRPO, Liu et al. 2025,
+                                                      arXiv 2503.20783: the std favours groups
+                                                      whose rewards barely differ)
 std is the sample standard deviation (ddof = 1, as the original pandas code computed it); a group
 of one has std 0, hence A = 0. A group whose rewards are all equal has A = 0 for every member:
 no signal, only compute — `filter` counts (and optionally drops) such groups.
@@ -23,7 +26,9 @@ no signal, only compute — `filter` counts (and optionally drops) such groups.
 Per-token loss ℓ_t by objective:
     sft        ℓ_t = −new_t                                    (NLL on kept successes)
     reinforce  ℓ_t = −w_i · new_t
-    grpo       ℓ_t = −min(ρ_t w_i, clip(ρ_t, 1 − ε, 1 + ε) w_i),   ρ_t = exp(new_t − old_t)
+    grpo       ℓ_t = −min(ρ_t w_i, clip(ρ_t, 1 − ε, 1 + ε_high) w_i),   ρ_t = exp(new_t − old_t)
+               ε_high = ε unless set (DAPO's clip-higher, Yu et al. 2025, arXiv 2503.14476: a
+               wider upper bound lets unlikely tokens of good samples grow, against entropy collapse)
 plus the explicit KL penalty (`kl_coef` β, k3 estimator of KL(π_θ ‖ π_ref), ≥ 0 per token):
     ℓ_t += β · (exp(ref_t − new_t) − (ref_t − new_t) − 1)
 
@@ -33,7 +38,8 @@ N defaults to Σ_t m_t of the micro-batch and P to 1: the classic token mean per
 divided by the P accumulation passes. `finetune` passes N = completion tokens of the whole
 optimizer step (÷ number of processes, since DDP averages gradients) and P = 1: the exact token
 mean over the step, whatever the micro-batching or the number of GPUs. The two agree when every
-pass has the same token count.
+pass has the same token count. This is the token-level normalisation of DAPO and Dr. GRPO: a
+long sample weighs by its tokens, not as one sample averaged over its own length.
 """
 
 from __future__ import annotations
@@ -74,8 +80,10 @@ def shaped_reward(reward: float, old: Sequence[float] | None, ref: Sequence[floa
     return float(reward) - coef * implicit_kl(old, ref, estimator)
 
 
-def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], eps: float = ADV_EPS) -> list[float]:
-    """A_i = (r_i − mean_g) / (std_g + eps), std with ddof = 1 (0 for a group of one)."""
+def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], eps: float = ADV_EPS,
+                     divide_by_std: bool = True) -> list[float]:
+    """A_i = (r_i − mean_g) / (std_g + eps), std with ddof = 1 (0 for a group of one); without
+    `divide_by_std`, A_i = r_i − mean_g."""
     if len(rewards) != len(group_ids):
         raise ValueError("rewards and group_ids differ in length")
     members: dict[str, list[int]] = defaultdict(list)
@@ -87,7 +95,7 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], eps: fl
         mean = sum(rs) / len(rs)
         std = math.sqrt(sum((r - mean) ** 2 for r in rs) / (len(rs) - 1)) if len(rs) > 1 else 0.0
         for i, r in zip(idx, rs):
-            adv[i] = (r - mean) / (std + eps)
+            adv[i] = (r - mean) / (std + eps) if divide_by_std else r - mean
     return adv
 
 
@@ -120,6 +128,7 @@ def policy_loss(
     old_mask: torch.Tensor | None = None,
     ref_mask: torch.Tensor | None = None,
     epsilon: float = 0.2,
+    epsilon_high: float | None = None,
     kl_coef: float = 0.0,
     relu_weights: bool = False,
     normalizer: float | torch.Tensor | None = None,
@@ -164,12 +173,13 @@ def policy_loss(
     else:
         if ratio is None:
             raise ValueError("grpo needs the sampler's old log-probs")
+        high = epsilon if epsilon_high is None else epsilon_high
         unclipped = ratio * w
-        clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon) * w
+        clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + high) * w
         per_token = -torch.minimum(unclipped, clipped)
         # Clip is active (gradient zero) where ρ left the trust region in the direction of w.
         r = ratio.detach()
-        active = ((r > 1.0 + epsilon) & (w > 0)) | ((r < 1.0 - epsilon) & (w < 0))
+        active = ((r > 1.0 + high) & (w > 0)) | ((r < 1.0 - epsilon) & (w < 0))
         sums["clipped"] = (active.to(new.dtype) * old_m).sum()
 
     if ref is not None:

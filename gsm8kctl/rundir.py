@@ -5,6 +5,7 @@
     RUN/.lock                           flock held by the running loop
     RUN/llm_calls.sqlite                every LLM call of every phase
     RUN/metrics.jsonl                   one line per iteration; RUN/learning_curve.png its plot
+    RUN/pass_rates.jsonl                one line per training problem sampled: its pass rate (curriculum.py)
     RUN/warmup/samples.jsonl            gold samples of the warm start
     RUN/iterations/NNNN/{tapes,samples}.jsonl
     RUN/eval/NNNN/{tapes.jsonl,metrics.json}        the test split (eval/start/: before the warm start)
@@ -34,6 +35,7 @@ STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
 RUN_METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
+PASS_RATES_FILE = "pass_rates.jsonl"
 WARMUP_DIR = "warmup"
 ITERATIONS_DIR = "iterations"
 EVAL_DIR = "eval"

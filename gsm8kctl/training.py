@@ -71,6 +71,10 @@ def fingerprint(samples: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)
+
+
 def global_batch_size(ft: dict, world: int) -> int:
     """Samples per optimizer step: train_batch_size × gradient_accumulation_passes × processes."""
     return int(ft["train_batch_size"]) * int(ft["gradient_accumulation_passes"]) * world
@@ -541,7 +545,8 @@ class Trainer:
                     new, comp, objective=objective, weights=weights,
                     old=old.to(device) if has_old else None, old_mask=old_mask.to(device),
                     ref=ref.to(device) if has_ref else None, ref_mask=ref_mask.to(device),
-                    epsilon=float(rl["epsilon"]), kl_coef=float(rl["kl_coef"]),
+                    epsilon=float(rl["epsilon"]), epsilon_high=_opt_float(rl["epsilon_high"]),
+                    kl_coef=float(rl["kl_coef"]),
                     relu_weights=bool(rl["relu_weights"]), normalizer=normalizer,
                 )
                 if dummy:

@@ -97,6 +97,18 @@ def test_dedupe_is_per_problem_across_iterations_and_duplicate_tape_ids(cfg):
     assert samples == [] and rep.dropped == {"empty completion": 1}
 
 
+def test_drop_duplicate_correct_in_all_mode(cfg):
+    cfg["filter"]["drop_duplicate_correct"] = True
+    samples, rep = flt.filter_tapes(tapes_fixture(), cfg, mode="all")
+    # the second identical success of train-00001 goes; wrong and overflowing attempts stay
+    assert len(samples) == 8 and rep.dropped == {"duplicate completion": 1}
+    # its advantage was computed with the copy in the group: (1, 1, 0, -1)
+    assert samples[0]["advantage"] == pytest.approx(0.75 / (math.sqrt(2.75 / 3) + 1e-4), abs=1e-5)
+    cfg["finetune"]["rl"]["divide_by_std"] = False  # Dr. GRPO: r - mean
+    samples, _ = flt.filter_tapes(tapes_fixture(), cfg, mode="all")
+    assert [s["advantage"] for s in samples[:3]] == pytest.approx([0.75, -0.25, -1.25])
+
+
 class FakeScorer:
     """Reference log-prob −1 for every token; records the calls (to check chunking)."""
 

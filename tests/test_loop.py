@@ -16,7 +16,8 @@ from conftest import REPO, run_cli
 from gsm8kctl.jsonl import read_jsonl
 from gsm8kctl.llm_calls import open_readonly
 from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
-from gsm8kctl.stages.loop import iteration_steps, iteration_warnings, next_problems, problem_order
+from gsm8kctl.curriculum import next_problems, problem_order
+from gsm8kctl.stages.loop import iteration_steps, iteration_warnings
 
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
             "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",

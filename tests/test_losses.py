@@ -25,6 +25,14 @@ def test_group_advantages_mixed_uniform_and_single_groups():
     assert losses.uniform_groups(rewards, groups) == {"b", "c"}
 
 
+def test_group_advantages_without_std_is_dr_grpo():
+    rewards, groups = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], ["a", "a", "a", "a", "b", "b"]
+    assert losses.group_advantages(rewards, groups, divide_by_std=False) == pytest.approx(
+        [0.75, -0.25, -0.25, -0.25, 0.0, 0.0])
+    scaled = losses.group_advantages(rewards, groups)
+    assert scaled[0] == pytest.approx(0.75 / (0.5 + 1e-4))  # sample std of (1, 0, 0, 0) is 0.5
+
+
 def test_group_advantages_three_values():
     adv = losses.group_advantages([1, 0, -1], ["g"] * 3)
     # mean 0, std = sqrt((1 + 0 + 1) / 2) = 1
@@ -111,6 +119,26 @@ def test_grpo_clip(w, expected_loss, clipped_token):
             assert grad[i] == 0.0
         else:
             assert grad[i] == pytest.approx(-rho[i] * w / 3, rel=1e-5)
+
+
+def test_grpo_clip_higher_widens_only_the_upper_bound():
+    # DAPO's clip-higher: rho 1.25 with w > 0 is clipped at 1 + 0.2 but not at 1 + 0.28; the lower
+    # bound stays at 1 - epsilon (rho 0.5 with w < 0 is clipped either way).
+    old = _t([[-1.0, -1.0]])
+    new = (old + torch.log(torch.tensor([[1.25, 0.5]]))).detach().requires_grad_(True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for eps_high, grad0 in ((None, 0.0), (0.28, -1.25 / 2)):
+        new.grad = None
+        loss, sums = losses.policy_loss(new, mask, objective="grpo", weights=torch.tensor([1.0]), old=old,
+                                        epsilon=0.2, epsilon_high=eps_high)
+        loss.backward()
+        assert new.grad[0, 0].item() == pytest.approx(grad0, rel=1e-5)
+        assert losses.summarize(sums)["clip_frac"] == pytest.approx(0.5 if eps_high is None else 0.0)
+    neg = (old + torch.log(torch.tensor([[0.5, 1.0]]))).detach().requires_grad_(True)
+    loss, _ = losses.policy_loss(neg, mask, objective="grpo", weights=torch.tensor([-1.0]), old=old,
+                                 epsilon=0.2, epsilon_high=0.28)
+    loss.backward()
+    assert neg.grad[0, 0].item() == 0.0  # 0.5 < 1 - 0.2 with w < 0: the lower clip holds
 
 
 def test_grpo_needs_old_and_unknown_old_means_ratio_one():

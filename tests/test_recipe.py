@@ -184,3 +184,26 @@ def test_control_matches_the_rl_runs_tokens(tmp_path, tiny_model_dir):
     gold = {s["problem_id"] for s in read_jsonl(out / "gold_samples.jsonl")}
     held = {t["problem_id"] for t in read_jsonl(run / "validation" / "0000" / "tapes.jsonl")}
     assert gold and not gold & held  # the control never trains on a validation problem
+
+
+def test_the_curriculum_draws_open_problems_again(tmp_path, tiny_model_dir):
+    """revisit_share: the loop keeps RUN/pass_rates.jsonl from each iteration's tapes and draws that
+    share of the next iteration's problems from those whose pass rate was strictly between 0 and 1.
+    The tiny model never succeeds, so two problems are marked open by hand between two runs."""
+    run = tmp_path / "run"
+    args = ["loop", "--model", tiny_model_dir, "--run-dir", str(run), *SMALL, "test_every_n_iterations=0",
+            "stop_without_signal=0", "revisit_share=0.5"]
+    run_cli(*args, "--iterations", "1", check=True)
+    table = [json.loads(line) for line in (run / "pass_rates.jsonl").read_text().splitlines()]
+    first = sorted({t["problem_id"] for t in read_jsonl(run / "iterations" / "0000" / "tapes.jsonl")})
+    assert [r["problem_id"] for r in table] == first and len(first) == 4
+    assert all((r["attempts"], r["successes"], r["iterations"]) == (2, 0, [[0, 0, 2]]) for r in table)
+    for r in table[:2]:
+        r.update(successes=1, pass_rate=0.5, last_pass_rate=0.5, iterations=[[0, 1, 2]])
+    (run / "pass_rates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table))
+    proc = run_cli(*args, "--iterations", "2", check=True)
+    assert "iteration 1: 2 of its 4 problems drawn again" in proc.stderr
+    second = {t["problem_id"] for t in read_jsonl(run / "iterations" / "0001" / "tapes.jsonl")}
+    assert len(second) == 4 and {table[0]["problem_id"], table[1]["problem_id"]} <= second
+    again = {r["problem_id"]: r for r in read_jsonl(run / "pass_rates.jsonl")}
+    assert again[table[0]["problem_id"]]["iterations"] == [[0, 1, 2], [1, 0, 2]]

@@ -5,12 +5,14 @@ Order of work, per run:
 2. reference log-probs through a backend's `score()` (bounded memory: chunks of
    `filter.score_token_budget` tokens) — for every attempt when the implicit KL needs them for
    the reward, else only for the samples kept;
-3. reward shaping r' = r − β·KL_i and group advantages A = (r' − mean_g)/(std_g + 1e-4) over all
+3. reward shaping r' = r − β·KL_i and group advantages A = (r' − mean_g)/(std_g + 1e-4) (or
+   r' − mean_g with `finetune.rl.divide_by_std` false) over all
    attempts of a group (one problem in one iteration), before anything is dropped: the
    advantage of a success depends on how its siblings did;
 4. uniform groups (all rewards equal → A = 0) are counted, and dropped with `drop_uniform_groups`;
 5. `rejection` mode keeps reward > 0 only, drops exact-duplicate completions of a problem and
-   caps each problem at `max_per_problem`; `all` mode keeps every attempt (REINFORCE / GRPO);
+   caps each problem at `max_per_problem`; `all` mode keeps every attempt (REINFORCE / GRPO),
+   less the duplicate rewarded completions with `drop_duplicate_correct`;
 6. weight = A when `finetune.rl.use_advantages`, else r'.
 
 `--gold` makes SFT samples from GSM8k gold solutions instead: the agent's prompt rendered with
@@ -246,7 +248,8 @@ def filter_tapes(
             r["kl"] = (losses.implicit_kl(r["old"], r["ref"], estimator)
                        if r.get("ref") is not None and r["old"] is not None else None)
             r["shaped"] = r["reward"] - kl_coef * r["kl"] if kl_coef else r["reward"]
-        advantages = losses.group_advantages([r["shaped"] for r in rows], group_ids)
+        advantages = losses.group_advantages([r["shaped"] for r in rows], group_ids,
+                                             divide_by_std=bool(rl["divide_by_std"]))
         # Uniform by task reward: the KL shaping alone does not make a group informative.
         uniform = losses.uniform_groups([r["reward"] for r in rows], group_ids)
         report.groups = len(set(group_ids))
@@ -262,10 +265,12 @@ def filter_tapes(
             if drop_uniform_groups and r["group"] in uniform:
                 report.dropped["uniform group"] += 1
                 continue
-            if mode == "rejection":
-                if r["reward"] <= 0:
-                    report.dropped[f"not rewarded ({r['outcome']})"] += 1
-                    continue
+            if mode == "rejection" and r["reward"] <= 0:
+                report.dropped[f"not rewarded ({r['outcome']})"] += 1
+                continue
+            if r["reward"] > 0 and (mode == "rejection" or fcfg["drop_duplicate_correct"]):
+                # The advantage was computed over the whole group first: a dropped copy still
+                # counted towards its siblings' baseline.
                 key = (r["problem_id"], tuple(r["completion"]))
                 if key in seen_completions:
                     report.dropped["duplicate completion"] += 1

@@ -14,50 +14,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from pathlib import Path
 
 from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.curriculum import choose_problems, read_pass_rates, record_pass_rates
 from gsm8kctl.errors import Stopped, UserError
 from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
 from gsm8kctl.procs import StageRecord
 from gsm8kctl.progress import console, say
-from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PHASES, RUN_METRICS_FILE, START_ITERATION,
+from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE, START_ITERATION,
                              START_MODEL, STATE_FILE, WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
                              load_state, mark_keep, save_state, unmark_keep)
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
-
-def problem_order(pool: int | list[int], seed: int, epoch: int) -> list[int]:
-    """A seeded permutation of the training problems (their lines in the train file; an int n
-    stands for all n lines), a new one each pass over them."""
-    order = list(range(pool)) if isinstance(pool, int) else list(pool)
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return order
-
-
-def next_problems(cursor: int, k: int, pool: int | list[int], seed: int) -> tuple[list[str], int]:
-    """k distinct train problem ids from position `cursor` of the endless seeded order over
-    `pool` (problem_order), and the position after them. Where a draw crosses into the next
-    pass, an id the draw already holds is skipped: otherwise its attempts would be counted once
-    and the iteration would be short (4032 of 4096 attempts at the first pass boundary of an
-    H200 run)."""
-    n_train = pool if isinstance(pool, int) else len(pool)
-    ids, seen, orders, pos = [], set(), {}, cursor
-    while len(ids) < min(k, n_train):
-        epoch, offset = divmod(pos, n_train)
-        if epoch not in orders:
-            orders[epoch] = problem_order(pool, seed, epoch)
-        pid = f"train-{orders[epoch][offset]:05d}"
-        if pid not in seen:
-            seen.add(pid)
-            ids.append(pid)
-        pos += 1
-    return ids, pos
-
 
 # ---------------------------------------------------------------------------------------------
 # What an iteration trains, and the warnings about it
@@ -421,8 +393,13 @@ class _Context:
         k = max(1, self.cfg["max_agent_forks"] // self.cfg["attempts"])
         if not st.get("problems"):
             # Chosen once per iteration and saved before sampling: a restart samples the same ones.
-            st["problems"], st["cursor"] = next_problems(st["cursor"], k, self.pool, self.cfg["seed"])
+            table = read_pass_rates(self.run_dir / PASS_RATES_FILE)
+            st["problems"], st["cursor"], revisits = choose_problems(
+                st["cursor"], k, self.pool, self.cfg["seed"], it, table, self.cfg["revisit_share"])
             save_state(self.run_dir, st)
+            if self.cfg["revisit_share"]:
+                say(f"iteration {it}: {revisits} of its {k} problems drawn again (pass rate strictly between 0 "
+                    f"and 1 when last sampled), {k - revisits} new", self.quiet)
         self.it_dir(it).mkdir(parents=True, exist_ok=True)
         model = self.current_model()
         self.engine.sample(model, st["problems"], it, self.it_dir(it) / TAPES_FILE)
@@ -463,6 +440,7 @@ class _Context:
         tapes_path = self.it_dir(it) / TAPES_FILE
         if tapes_path.exists():
             tapes = list(read_jsonl(tapes_path))
+            record_pass_rates(self.run_dir / PASS_RATES_FILE, it, tapes)
             st = tape_stats(tapes)
             if tapes:
                 row["model"] = tapes[0]["model"]  # the model that sampled, not the one it trained
