@@ -4,7 +4,9 @@ A GPU is often shared (several seeds at once, other programs), so an allocation 
 phase. Where work can be split smaller without changing what is computed, the phase retries
 smaller a bounded number of times: the trainer halves its micro-batch token budget (the same
 samples feed the same optimizer step; only the split into micro-batches differs), scoring halves
-its chunk. Each retry is one warning line. When the smallest size fails too, `OutOfMemory` ends
+its chunk, the sampler halves its slots (the KV pool is made again) or its batch, and runs the
+attempts not yet finished again (each attempt's tokens come from its own seed). Each retry is one
+warning line, and an entry in the iteration's `warnings` in the loop's metrics.jsonl. When the smallest size fails too, `OutOfMemory` ends
 the command with exit 1 and one line: what this process holds, what others hold, and that the
 same command resumes.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import gc
 
 from gsm8kctl.errors import Stopped
+from gsm8kctl.progress import warn
 
 
 class OutOfMemory(Stopped):
@@ -32,6 +35,12 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def retried(message: str) -> None:
+    """A retry at a smaller size: one warning line now, and an entry in the iteration's
+    `warnings` when the loop runs this phase."""
+    warn(message, record=True)
 
 
 def release() -> None:
@@ -58,5 +67,5 @@ def describe(where: str) -> str:
     except Exception:  # noqa: BLE001 - the message must come out even if the driver will not answer
         pass
     return (f"out of memory in {where}{held}. Free memory (other programs on the GPU) or lower "
-            "finetune.token_budget, filter.score_token_budget or sampling.kv_memory_fraction, then run "
+            "finetune.token_budget, filter.score_token_budget, sampling.kv_memory_fraction or gpu_memory_share, then run "
             "the same command again: it resumes where it stopped")

@@ -47,6 +47,24 @@ def say(message: str, quiet: bool = False, *, verbatim: bool = False) -> None:
                       markup=not verbatim, emoji=not verbatim)
 
 
+# Set by the loop for the phases of an iteration (its own and its child processes'): the file
+# that `warn(..., record=True)` appends to, read into the iteration's `warnings` in metrics.jsonl.
+WARNINGS_ENV = "GSM8KCTL_WARNINGS_FILE"
+
+
+def warn(message: str, quiet: bool = False, *, record: bool = False) -> None:
+    """A warning line on stderr. `record`: also a line in the loop's warnings file of this
+    iteration (WARNINGS_ENV), when a loop runs this phase."""
+    say(f"warning: {message}", quiet)
+    path = os.environ.get(WARNINGS_ENV) if record else None
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        import json
+
+        with open(path, "a", encoding="utf-8") as f:  # one short line per write: a kill leaves at most its tail
+            f.write(json.dumps({"warning": message}) + "\n")
+
+
 class Progress:
     """Counts items and generated tokens; shows problems done and tokens/s."""
 

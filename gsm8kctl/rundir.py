@@ -8,6 +8,7 @@
     RUN/pass_rates.jsonl                one line per training problem sampled: its pass rate (curriculum.py)
     RUN/warmup/samples.jsonl            gold samples of the warm start
     RUN/iterations/NNNN/{tapes,samples}.jsonl
+    RUN/iterations/NNNN/warnings.jsonl  out-of-memory retries of the iteration's phases (oom.py)
     RUN/eval/NNNN/{tapes.jsonl,metrics.json}        the test split (eval/start/: before the warm start)
     RUN/validation/NNNN/{tapes.jsonl,metrics.json}  the held-out validation split, same layout
     RUN/checkpoints/step-NNNNNN/        a Hugging Face model directory plus training_state/
@@ -38,6 +39,7 @@ CURVE_FILE = "learning_curve.png"
 PASS_RATES_FILE = "pass_rates.jsonl"
 WARMUP_DIR = "warmup"
 ITERATIONS_DIR = "iterations"
+WARNINGS_FILE = "warnings.jsonl"
 EVAL_DIR = "eval"
 VALIDATION_DIR = "validation"
 CHECKPOINTS_DIR = "checkpoints"

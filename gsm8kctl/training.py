@@ -462,7 +462,7 @@ class Trainer:
             budget = max(1, budget // 2)
             retries.append(f"out of memory in finetune step {self.step + 1}: retried in micro-batches of "
                            f"{budget} tokens")
-            say(f"warning: {retries[-1]}")
+            oom.retried(retries[-1])
         self.token_budget = budget  # later steps keep the size that fits
 
         clip = float(ft["gradient_clipping_threshold"] or 0.0)

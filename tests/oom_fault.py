@@ -1,55 +1,68 @@
 """A fault for out-of-memory tests, loaded into a real `gsm8kctl` subprocess as `sitecustomize`
 (the test puts this file's folder on PYTHONPATH under that name).
 
-GSM8KCTL_TEST_OOM="WHERE:ROWS:TIMES" makes WHERE raise torch.OutOfMemoryError on its first
-TIMES calls (-1 = every call) that carry more than ROWS rows, as an allocator would fail on
-batches above a size. WHERE is `train` (the trainer's loss over a micro-batch), `score` (the
-transformers backend's scoring) or `sample` (the transformers backend's generation).
+GSM8KCTL_TEST_OOM="WHERE:ROWS:TIMES[,WHERE:ROWS:TIMES...]" makes WHERE raise
+torch.OutOfMemoryError on its first TIMES calls (-1 = every call) that carry more than ROWS
+rows, as an allocator would fail on batches above a size. WHERE is `train` (the trainer's loss
+over a micro-batch), `score` (the transformers backend's scoring), `sample` (the transformers
+backend's batched decode) or `slots` (making the slot engine's KV pool, ROWS = slots).
 """
 
 import os
 
 spec = os.environ.get("GSM8KCTL_TEST_OOM")
-if spec:
+
+
+def _fault(where: str, rows: str, times: str):
     import torch
 
-    where, rows, times = spec.split(":")
     left = {"n": int(times)}
 
-    def _fail(n_rows: int) -> None:
+    def fail(n_rows: int) -> None:
         if n_rows > int(rows) and left["n"] != 0:
             left["n"] -= 1
             raise torch.OutOfMemoryError(f"injected: {n_rows} rows > {rows} ({where})")
 
+    return fail
+
+
+def _install(where: str, fail) -> None:
     if where == "train":
         from gsm8kctl import losses
 
         real_loss = losses.policy_loss
 
         def policy_loss(new, *args, **kwargs):
-            _fail(new.shape[0])
+            fail(new.shape[0])
             return real_loss(new, *args, **kwargs)
 
         losses.policy_loss = policy_loss
     elif where in ("score", "sample"):
         from gsm8kctl.backends.transformers import TransformersBackend
 
-        if where == "score":
-            real_score = TransformersBackend.score
+        name = "score" if where == "score" else "_decode"
+        real = getattr(TransformersBackend, name)
 
-            def score(self, prompts, completions, *args, **kwargs):
-                _fail(len(prompts))
-                return real_score(self, prompts, completions, *args, **kwargs)
+        def wrapped(self, prompts, *args, **kwargs):
+            fail(len(prompts))
+            return real(self, prompts, *args, **kwargs)
 
-            TransformersBackend.score = score
-        else:
-            for name in ("generate", "generate_iter"):
-                real = getattr(TransformersBackend, name, None)
-                if real is None:
-                    continue
+        setattr(TransformersBackend, name, wrapped)
+    elif where == "slots":
+        from gsm8kctl.backends.slots import SlotEngine
 
-                def wrapped(self, prompts, *args, _real=real, **kwargs):
-                    _fail(len(prompts))
-                    return _real(self, prompts, *args, **kwargs)
+        real_init = SlotEngine.__init__
 
-                setattr(TransformersBackend, name, wrapped)
+        def init(self, model, *args, **kwargs):
+            fail(kwargs["slots"])
+            real_init(self, model, *args, **kwargs)
+
+        SlotEngine.__init__ = init
+    else:
+        raise SystemExit(f"oom_fault: unknown WHERE {where!r}")
+
+
+if spec:
+    for part in spec.split(","):
+        where, rows, times = part.split(":")
+        _install(where, _fault(where, rows, times))

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from gsm8kctl import oom
 from gsm8kctl.backends.base import Completion, SamplingParams, check_decode_attention, completion_seeds
 from gsm8kctl.backends.sampling import choose, uniforms
 from gsm8kctl.backends.slots import Request, SlotEngine, plan_slots, sdpa_backends
@@ -23,6 +24,7 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.hostgate import HostGate
 from gsm8kctl.logprobs import chosen_logprobs, pad_batch, token_budget_batches, token_logprobs
 from gsm8kctl.models import completion_text, load_tokenizer, stop_token_ids
+from gsm8kctl.sizes import gpu_share, kv_room
 
 
 def pick_device() -> str:
@@ -113,6 +115,7 @@ class TransformersBackend:
         s = cfg["sampling"]
         self.batch_size = s["batch_size"]
         self.max_slots, self.kv_fraction = s["max_slots"], s["kv_memory_fraction"]
+        self.gpu_share = gpu_share(cfg)
         self.prefill_budget = s["prefill_token_budget"]
         self.score_token_budget = cfg["filter"]["score_token_budget"]
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -120,6 +123,8 @@ class TransformersBackend:
         self.context = getattr(self.model_obj.config, "max_position_embeddings", None)
         self.decode_attention = attention
         self._engine: SlotEngine | None = None
+        self.slot_cap: int | None = None  # set by an out-of-memory (`_shrink`)
+        self._planned_slots = 0
 
     def _use_native(self, model_code: str) -> bool:
         from gsm8kctl.backends import llama
@@ -150,27 +155,63 @@ class TransformersBackend:
             raise UserError(f"a prompt of {longest} tokens + max_tokens {params.max_tokens} exceeds the model's "
                             f"context of {self.context} tokens")
         seeds = completion_seeds(params, len(rows))
+        # Out of memory (a shared GPU filled up), the attempts not yet finished run again on a
+        # smaller engine (half the slots) or in half the batch (gsm8kctl/oom.py). A completion's
+        # tokens come from its own seed's stream, so the split changes nothing beyond the float
+        # rounding a different batch gives (none on the CPU in float32).
+        finished: set[int] = set()
+        while len(finished) < len(rows):
+            left = [k for k in range(len(rows)) if k not in finished]
+            try:
+                for k, comp in self._generate_rows(rows, seeds, left, params, gate):
+                    finished.add(k)
+                    yield k // params.n, k % params.n, comp
+            except Exception as exc:  # noqa: BLE001 - only an out-of-memory is handled
+                if not oom.is_oom(exc):
+                    raise
+                self._shrink(len(rows) - len(finished), exc)
+
+    def _generate_rows(self, rows: list[list[int]], seeds: list[int], which: list[int], params: SamplingParams,
+                       gate: HostGate | None) -> Iterator[tuple[int, Completion]]:
+        """(row index, completion) for rows `which`, as each finishes."""
         if self.static_cache:
-            engine = self._slot_engine(longest + params.max_tokens)
-            requests = [Request(k, rows[k], seeds[k]) for k in sorted(range(len(rows)), key=lambda k: len(rows[k]))]
+            engine = self._slot_engine(max(len(rows[k]) for k in which) + params.max_tokens)
+            requests = [Request(k, rows[k], seeds[k]) for k in sorted(which, key=lambda k: len(rows[k]))]
             gate = gate if self.device == "cuda" else None
             with gate.held() if gate is not None else nullcontext():
                 for f in engine.run(requests, temperature=params.temperature, top_p=params.top_p,
                                     max_tokens=params.max_tokens, gate=gate):
-                    text = self.text(f.token_ids)
-                    yield f.index // params.n, f.index % params.n, Completion(f.token_ids, f.logprobs,
-                                                                              f.finish_reason, text, f.latency_s)
+                    yield f.index, Completion(f.token_ids, f.logprobs, f.finish_reason, self.text(f.token_ids),
+                                              f.latency_s)
             return
         # Similar prompt lengths in a batch waste less padding.
-        order = sorted(range(len(rows)), key=lambda k: len(rows[k]))
+        order = sorted(which, key=lambda k: len(rows[k]))
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
             t0 = time.perf_counter()
             results = self._decode([rows[k] for k in idx], [seeds[k] for k in idx], params)
             latency = time.perf_counter() - t0
             for k, (ids, lps, finish) in zip(idx, results):
-                text = self.text(ids)
-                yield k // params.n, k % params.n, Completion(ids, lps, finish, text, latency)
+                yield k, Completion(ids, lps, finish, self.text(ids), latency)
+
+    def _shrink(self, unfinished: int, exc: BaseException) -> None:
+        """After an out-of-memory: half the slots (the slot engine) or half the batch, or give up
+        with `oom.OutOfMemory` when one row did not fit."""
+        if self.static_cache:
+            slots = self._engine.slots if self._engine is not None else self._planned_slots
+            what, size = "slots", slots
+        else:
+            what, size = "rows per batch", min(self.batch_size, unfinished)
+        self._engine = None  # its KV pool and graphs go back before a smaller one is made
+        oom.release()
+        if size <= 1:
+            raise oom.OutOfMemory(oom.describe(f"sampling with {size} {what}")) from exc
+        if self.static_cache:
+            self.slot_cap = max(1, size // 2)
+        else:
+            self.batch_size = max(1, size // 2)
+        oom.retried(f"out of memory sampling with {size} {what}: the {unfinished} unfinished attempts "
+                    f"again with {max(1, size // 2)}")
 
     def _slot_engine(self, need: int) -> SlotEngine:
         """The engine, made once and kept (graphs, cache); remade only when a call needs longer slots."""
@@ -182,16 +223,20 @@ class TransformersBackend:
         self._engine = None
         cfg = self.model_obj.config
         dtype = next(self.model_obj.parameters()).dtype
-        if self.device == "cuda":
+        if self.slot_cap:  # an out-of-memory halved the pool: later engines keep the size that fit
+            slots = min(self.slot_cap, self.max_slots or self.slot_cap)
+        elif self.device == "cuda":
             torch.cuda.empty_cache()
-            free = torch.cuda.mem_get_info()[0]
+            free, total = torch.cuda.mem_get_info()
+            room = kv_room(free, total, torch.cuda.memory_reserved(), self.gpu_share)
             slots = plan_slots(cfg, dtype, max_len, max_slots=self.max_slots, fraction=self.kv_fraction,
-                               free_bytes=free)
+                               free_bytes=room)
         else:
             import psutil
 
             slots = plan_slots(cfg, dtype, max_len, max_slots=self.max_slots or self.batch_size, fraction=1.0,
                                free_bytes=psutil.virtual_memory().available)
+        self._planned_slots = slots
         self._engine = SlotEngine(self.model_obj, slots=slots, max_len=max_len, stop_ids=self.stop_ids,
                                   pad_id=self.pad_id, prefill_token_budget=self.prefill_budget,
                                   attention=self.decode_attention)

@@ -139,8 +139,8 @@ def score_in_chunks(scorer: Scorer, prompts: list[list[int]], completions: list[
                 raise oom.OutOfMemory(oom.describe(f"scoring with the reference model (one completion of "
                                                    f"{used} tokens)")) from None
             token_budget = max(1, min(token_budget, used) // 2)
-            say(f"warning: out of memory scoring {end - start} completions ({used} tokens): retrying in "
-                f"chunks of {token_budget} tokens")
+            oom.retried(f"out of memory scoring {end - start} completions ({used} tokens): retrying in "
+                        f"chunks of {token_budget} tokens")
             continue
         if len(part) != end - start:
             raise RuntimeError(f"scorer returned {len(part)} rows for {end - start} completions")

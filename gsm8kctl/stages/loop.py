@@ -24,9 +24,9 @@ from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
 from gsm8kctl.procs import StageRecord
-from gsm8kctl.progress import console, say
+from gsm8kctl.progress import WARNINGS_ENV, console, say
 from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE, START_ITERATION,
-                             START_MODEL, STATE_FILE, WARMUP_DIR, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
+                             START_MODEL, STATE_FILE, WARMUP_DIR, WARNINGS_FILE, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
                              load_state, mark_keep, save_state, unmark_keep)
 from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
@@ -150,9 +150,6 @@ def _finetune_summary(run_dir: Path, samples_path: Path) -> dict:
                              ("train_kl_mean", "kl", _mean)):
         values = [r[src] for r in lines if r.get(src) is not None]
         out[key] = round(reduce(values), 4) if values else None
-    retries = [m for r in lines for m in r.get("oom_retries", [])]
-    if retries:  # the trainer's out-of-memory retries become the iteration's warnings
-        out["oom_retries"] = retries
     return out
 
 
@@ -221,6 +218,7 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False, sizes: dict | None = N
         try:
             _Context(cfg, run, state, base_model, pool, quiet, engine=engine).run()
         finally:
+            os.environ.pop(WARNINGS_ENV, None)
             engine.close()
         return state
 
@@ -270,6 +268,8 @@ class _Context:
                     continue
                 self._banner(it, phase)
                 t0 = time.time()
+                # A phase's out-of-memory retries (this process's or a stage's) land in the iteration's file.
+                os.environ[WARNINGS_ENV] = str(self.it_dir(it) / WARNINGS_FILE)
                 getattr(self, f"_{phase}")(it)
                 st["timings"].setdefault(str(it), {})[phase] = round(time.time() - t0, 1)
                 nxt = PHASES.index(phase) + 1
@@ -471,7 +471,10 @@ class _Context:
         path = self.run_dir / RUN_METRICS_FILE
         rows = [r for r in read_jsonl(path) if r["iteration"] != it] if path.exists() else []
         guard = iteration_warnings(row, rows, self.cfg)
-        row["warnings"] = row.pop("oom_retries", []) + guard  # the retries were said when they happened
+        retried = self.it_dir(it) / WARNINGS_FILE
+        # The out-of-memory retries were said when they happened; the guard's are said now.
+        row["warnings"] = [r["warning"] for r in read_jsonl(retried, repair_tail=True)] if retried.exists() else []
+        row["warnings"] += guard
         row["no_signal"] = no_signal(row, self.cfg)
         for w in guard:
             say(f"warning: iteration {it}: {w}", self.quiet)
