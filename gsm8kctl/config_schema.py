@@ -246,6 +246,8 @@ class Config:
     # numpy and torch take 32-bit seeds; per-rank and per-chunk offsets are added to this one.
     seed: Annotated[int, Range(ge=0, le=2**31 - 1)]
     data_dir: Optional[Name]
+    # auto = the whole GPU (1), or 1/R under `seeds` with R loops at once (sizes.gpu_share).
+    gpu_memory_share: Union[Annotated[float, Range(gt=0, le=1)], Literal["auto"]]
     iterations: NonNegInt                             # 0 = only the initial evaluation
     attempts: Count
     max_agent_forks: Count
@@ -406,7 +408,8 @@ def check_value(tp: Any, v: Any) -> Any:
             try:
                 return check_value(m, v)
             except Invalid as exc:
-                errors.append(exc)
+                if typing.get_origin(_split(m)[0]) is not Literal:  # a word that is none of them: the whole union
+                    errors.append(exc)
         # A value of the right type that breaks a bound says which bound (and that null would do).
         for exc in errors:
             if not exc.wrong_type:

@@ -403,9 +403,11 @@ def memory_plan(trainer, sampler) -> str:
         kv_gb = engine.kv.numel() * engine.kv.element_size() / 2**30
         kv = f", KV cache {kv_gb:.2f} GB ({engine.slots} slots x {engine.max_len} tokens)"
     if torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0] / 2**30
+        free, total = (b / 2**30 for b in torch.cuda.mem_get_info())
         peak = torch.cuda.max_memory_allocated() / 2**30
         where = f"; GPU free now {free:.1f} GB, peak allocated {peak:.1f} GB"
+        if sampler.gpu_share < 1:
+            where += f", this loop's share {sampler.gpu_share:g} of {total:.1f} GB = {sampler.gpu_share * total:.1f} GB"
     else:
         import psutil
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from gsm8kctl.config import setting
 from gsm8kctl.errors import UserError
 from gsm8kctl.procs import free_port, group_alive, start_supervised
+from gsm8kctl.sizes import gpu_share
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEALTH_PATH = "/health"
@@ -186,7 +187,8 @@ class VLLMServer(ServerProcess):
             if setting(cfg, f"vllm.{key}"):
                 self._args += [flag, str(int(setting(cfg, f"vllm.{key}")))]
         if has_gpu():
-            self._args += ["--gpu-memory-utilization", str(setting(cfg, "vllm.gpu_memory_utilization"))]
+            share = round(float(setting(cfg, "vllm.gpu_memory_utilization")) * gpu_share(cfg), 4)  # of the whole GPU
+            self._args += ["--gpu-memory-utilization", str(share)]
         else:
             self._args.append("--no-enable-chunked-prefill")  # see CPU_ENGINE_ARGS in backends/vllm.py
         self._args += list(extra_args)

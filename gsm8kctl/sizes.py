@@ -81,3 +81,16 @@ def describe(machine: str, chosen: dict[str, Any]) -> str:
         return ""
     values = ", ".join(f"{k}={'null' if v is None else v}" for k, v in chosen.items())
     return f"sizes for a {machine} (keys left at auto; set one to override it): {values}"
+
+
+def gpu_share(cfg) -> float:
+    """`gpu_memory_share` as a number: auto is the whole GPU (the seeds command sets 1/R itself)."""
+    share = (cfg or {}).get("gpu_memory_share", AUTO)
+    return 1.0 if share == AUTO else float(share)
+
+
+def kv_room(free: int, total: int, held: int, share: float) -> int:
+    """Bytes the sampler's KV cache is sized from (times sampling.kv_memory_fraction): what is
+    free now, and never more than this process's share of the whole GPU less what it holds
+    already. So loops started together each keep to their share, whichever starts first."""
+    return max(0, min(free, int(share * total) - held))

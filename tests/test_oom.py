@@ -104,29 +104,82 @@ def test_reference_scoring_halves_its_chunk(tiny_model_dir, tmp_path):
     assert "Traceback" not in stuck.stderr and not (tmp_path / "stuck.jsonl").exists()
 
 
-def test_sampling_out_of_memory_is_one_line_and_the_rerun_resumes(tiny_model_dir, tmp_path):
+SAMPLE = ["sample", "--backend", "transformers", "--n-problems", "3", "--attempts", "4", "--max-tokens", "8",
+          "transformers.dtype=float32", "--quiet"]
+
+
+def _by_id(path: Path) -> dict:
+    return {(t["problem_id"], t["attempt"]): t for t in read_jsonl(path)}
+
+
+@pytest.mark.parametrize("cache, spec, said", [
+    # The CPU's batched decode: 12 rows fail, then 6; batches of 3 fit.
+    ("transformers.static_cache=false", "sample:3:2", ["with 12 rows per batch", "with 6 rows per batch"]),
+    # The slot engine: a pool of 16 slots fails, then 8; 4 fit (the pool is made again each time).
+    ("transformers.static_cache=true", "slots:4:-1", ["with 16 slots", "with 8 slots"]),
+])
+def test_sampling_retries_smaller_and_samples_the_same(tiny_model_dir, tmp_path, cache, spec, said):
+    args = [*SAMPLE, "--model", tiny_model_dir, cache, "sampling.max_slots=16"]
+    clean = run_cli(*args, "-o", str(tmp_path / "clean.jsonl"))
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    proc = run_cli(*args, "-o", str(tmp_path / "retried.jsonl"), env=_fault_env(tmp_path, spec))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: out of memory sampling")]
+    assert [w.split(": the ")[0].split("sampling ")[1] for w in warned] == said, proc.stderr
+    ours, theirs = _by_id(tmp_path / "retried.jsonl"), _by_id(tmp_path / "clean.jsonl")
+    assert ours.keys() == theirs.keys() and len(ours) == 12
+    for key, tape in ours.items():
+        assert tape["completion_token_ids"] == theirs[key]["completion_token_ids"], key
+        assert tape["logprobs"] == pytest.approx(theirs[key]["logprobs"], abs=1e-5)
+
+
+def test_sampling_gives_up_with_one_line_then_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "tapes.jsonl"
-    args = ["sample", "--model", tiny_model_dir, "--backend", "transformers", "--n-problems", "3", "--attempts", "2",
-            "--max-tokens", "8", "-o", str(out), "--quiet"]
-    proc = run_cli(*args, env=_fault_env(tmp_path, "sample:0:-1"))
+    args = [*SAMPLE, "--model", tiny_model_dir, "-o", str(out)]
+    proc = run_cli(*args, env=_fault_env(tmp_path, "sample:0:-1"))  # even one row fails
     assert proc.returncode == 1, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: out of memory in sample")
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("warning: out of memory sampling")]
+    assert len(lines) == 1 and lines[0].startswith("Error: out of memory in sampling with 1 rows per batch")
     assert "Internal error" not in proc.stderr and "resumes where it stopped" in lines[0]
+    assert "Traceback" not in proc.stderr
     again = run_cli(*args)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert len(list(read_jsonl(out))) == 6
+    clean = run_cli(*args[:-1], str(tmp_path / "clean.jsonl"))
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    ours, theirs = _by_id(out), _by_id(tmp_path / "clean.jsonl")
+    assert len(list(read_jsonl(out))) == len(ours) == 12  # no attempt twice
+    assert {k: t["completion_token_ids"] for k, t in ours.items()} == \
+        {k: t["completion_token_ids"] for k, t in theirs.items()}
 
 
-def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["inprocess", "processes"])  # the retries of this process, or of a stage's
+def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp_path, engine):
     run = tmp_path / "run"
     proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), "--backend", "transformers",
                    "--iterations", "1", "--attempts", "2", "max_agent_forks=8", "sampling.max_tokens=6",
                    "warmup_sft_steps=0", "validation_problems=0", "test_every_n_iterations=0",
                    "filter.ref_model=null", "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false",
                    "finetune.rl.use_advantages=false", "finetune.train_batch_size=8", "stop_without_signal=0",
-                   "loop.engine=inprocess", env=_fault_env(tmp_path, "train:2:2"))
+                   f"loop.engine={engine}", env=_fault_env(tmp_path, "sample:4:1,train:2:2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = next(r for r in read_jsonl(run / "metrics.jsonl") if r["iteration"] == 0)
-    assert [w for w in row["warnings"] if w.startswith("out of memory in finetune step 1")] == row["warnings"][:2]
+    # In the order they happened: the sampler's batch halved once, then the trainer's budget twice.
+    assert row["warnings"][0].startswith("out of memory sampling with 8 rows per batch")
+    assert [w for w in row["warnings"][1:3] if w.startswith("out of memory in finetune step 1")] == row["warnings"][1:3]
     assert json.loads((run / "state.json").read_text())["phase"] == "done"
+
+
+def test_loops_started_together_each_keep_to_their_share():
+    """The KV cache is sized from what is free, never beyond this process's share of the GPU less
+    what it holds already: the first of two loops at share 0.5 no longer takes the most."""
+    from gsm8kctl.sizes import gpu_share, kv_room
+
+    gib = 2**30
+    assert kv_room(free=140 * gib, total=140 * gib, held=0, share=1.0) == 140 * gib  # alone: as before
+    first = kv_room(free=139 * gib, total=140 * gib, held=1 * gib, share=0.5)
+    assert first == 69 * gib
+    second = kv_room(free=139 * gib - first - 1 * gib, total=140 * gib, held=1 * gib, share=0.5)
+    assert second == first  # the second loop finds as much room as the first took
+    assert kv_room(free=4 * gib, total=140 * gib, held=1 * gib, share=0.5) == 4 * gib  # others hold the rest
+    assert kv_room(free=4 * gib, total=8 * gib, held=5 * gib, share=0.5) == 0
+    assert gpu_share({"gpu_memory_share": "auto"}) == 1.0 and gpu_share({"gpu_memory_share": 0.25}) == 0.25

@@ -130,7 +130,9 @@ def test_one_seed_samples_the_same_tokens_in_any_run_directory(tmp_path, tiny_mo
 
 def test_seeds_runs_each_loop_and_its_control_and_reports_medians(tmp_path, tiny_model_dir):
     run = tmp_path / "seeds"
-    args = ["seeds", "--run-dir", str(run), "--seeds", "3,5", f"model={tiny_model_dir}", "backend=transformers", *SMALL[2:],
+    # Two loops at once (a GPU's default): each keeps to half of the GPU's memory.
+    args = ["seeds", "--run-dir", str(run), "--seeds", "3,5", "--parallel", "2", f"model={tiny_model_dir}",
+            "backend=transformers", *SMALL[2:],
             "iterations=1", "stop_without_signal=0", "filter.drop_uniform_groups=false",
             "finetune.rl.use_advantages=false", "--json"]
     proc = run_cli(*args)
@@ -140,7 +142,7 @@ def test_seeds_runs_each_loop_and_its_control_and_reports_medians(tmp_path, tiny
     assert set(summary["seeds"]) == {"3", "5"} and (run / "seeds.png").read_bytes()[:4] == b"\x89PNG"
     for s in (3, 5):
         loop_cfg = load_config(run / f"seed-{s}" / "config.yaml", [])
-        assert loop_cfg["seed"] == s and loop_cfg["machine"] == "cpu"
+        assert loop_cfg["seed"] == s and loop_cfg["machine"] == "cpu" and loop_cfg["gpu_memory_share"] == 0.5
         rows = {r["iteration"]: r for r in read_jsonl(run / f"seed-{s}" / "metrics.jsonl")}
         result = summary["seeds"][str(s)]
         assert result["done"] and result["warm_start"] == rows[0]["test_accuracy_strict"]

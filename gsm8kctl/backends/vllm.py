@@ -36,6 +36,7 @@ from gsm8kctl.errors import UserError
 from gsm8kctl.logprobs import token_budget_batches
 from gsm8kctl.models import load_tokenizer, stop_token_ids
 from gsm8kctl.progress import say
+from gsm8kctl.sizes import gpu_share
 
 # SamplingParams.extra keys passed through to vLLM; everything else in `extra` is bookkeeping.
 PASSTHROUGH_EXTRA = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -314,7 +315,9 @@ class VLLMBackend:
         if max_num_seqs:
             engine_args["max_num_seqs"] = int(max_num_seqs)
         if has_gpu():
-            engine_args["gpu_memory_utilization"] = float(gpu_memory_utilization or setting(cfg, "vllm.gpu_memory_utilization"))
+            # vLLM's share is of the whole GPU: within this process's gpu_memory_share of it.
+            utilization = float(gpu_memory_utilization or setting(cfg, "vllm.gpu_memory_utilization"))
+            engine_args["gpu_memory_utilization"] = round(utilization * gpu_share(cfg), 4)
         else:
             engine_args.update(CPU_ENGINE_ARGS)
         engine_args.update(engine_kwargs)

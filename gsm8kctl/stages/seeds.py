@@ -2,8 +2,8 @@
 
 Each seed is a whole `gsm8kctl loop` in RUN/seed-S/ (its own validation split, warm start, RL
 and best checkpoint chosen on validation), then its SFT-only control at equal tokens in
-RUN/seed-S/control/ (`gsm8kctl control`). On a GPU the loops run side by side, each with an
-equal share of the sampler's KV-cache memory; on a CPU one after another. Every child's output
+RUN/seed-S/control/ (`gsm8kctl control`). On a GPU the loops run side by side, each within its
+share of the GPU's memory (gpu_memory_share = 1/R for R loops at once); on a CPU one after another. Every child's output
 goes to RUN/seed-S.log. At the end RUN/seeds.json holds, per seed and as median [min, max]:
 
     warm_start     test strict of the model the first iteration sampled with
@@ -66,15 +66,17 @@ def seeds(cfg: dict, run_dir: str, *, seed_list: list[int], config: str | None, 
         parallel = len(seed_list) if gpu else 1
     if parallel < 1:
         raise UserError(f"--parallel must be >= 1, got {parallel}")
-    share = []
-    if gpu and parallel > 1:
-        # Loops that start together each see the whole free memory: give each its share of it.
-        fraction = round(cfg["sampling"]["kv_memory_fraction"] / min(parallel, len(seed_list)), 4)
-        share = [f"sampling.kv_memory_fraction={fraction}"]
-        say(f"seeds: {min(parallel, len(seed_list))} loops at once on the GPU, each with {fraction:g} of its free "
-            f"memory for the sampler's KV cache", quiet)
+    at_once = min(parallel, len(seed_list))
+    share, given = cfg["gpu_memory_share"], []
+    if at_once > 1 and share == "auto":
+        # Loops that start together would each size their KV cache from all the memory free when
+        # they start: the first takes the most and a later one starves. Each keeps to 1/R instead.
+        share = round(1 / at_once, 4)
+        given = [f"gpu_memory_share={share}"]
+    if gpu and at_once > 1:
+        say(memory_plan_line(cfg, at_once, share), quiet)
     run.mkdir(parents=True, exist_ok=True)
-    base = [*(["--config", config] if config else []), *overrides, *share]
+    base = [*(["--config", config] if config else []), *overrides, *given]
     loops = {s: ["loop", "--run-dir", str(seed_dir(run, s)), *base, f"seed={s}"] for s in seed_list}
     failed = _run_all(loops, run, parallel, "loop", quiet)  # a finished loop says so and exits at once
     if with_control:
@@ -91,6 +93,32 @@ def seeds(cfg: dict, run_dir: str, *, seed_list: list[int], config: str | None, 
         raise StageFailed(f"seed(s) {', '.join(map(str, sorted(failed)))} failed (see {logs}); the summary holds "
                           "the others. Rerun the same command to resume")
     return summary
+
+
+def memory_plan_line(cfg: dict, loops: int, share: float) -> str:
+    """The seeds command's start-up line: each loop's share of the GPU and the total, in GiB where
+    the driver says how large the GPU is (nvidia-smi; this process opens no CUDA context)."""
+    kv = cfg["sampling"]["kv_memory_fraction"]
+    line = (f"seeds: {loops} loops at once on the GPU, each within gpu_memory_share={share:g} of its memory "
+            f"(its sampler's KV cache up to {kv:g} of that share), {loops * share:.2g} of the GPU in total")
+    total, used = _gpu_memory_gib()
+    if total:
+        line += (f": {share * total:.1f} GiB per loop, {loops * share * total:.1f} of {total:.1f} GiB "
+                 f"({used:.1f} GiB in use by other programs now)")
+    return line
+
+
+def _gpu_memory_gib() -> tuple[float, float]:
+    """(total, used) GiB of GPU 0 from nvidia-smi, or (0, 0) where it does not answer."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, timeout=10, check=True).stdout
+        total, used = (float(x) / 1024 for x in out.strip().split(","))
+        return total, used
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0.0, 0.0
 
 
 def _run_all(commands: dict[int, list[str]], run: Path, parallel: int, what: str, quiet: bool) -> set[int]:
