@@ -514,19 +514,18 @@ def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path)
 
 
 def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, tmp_path):
-    """Issue 11's scripts: the gold-SFT control trains as many completion tokens as the RL run had
-    before each of its evaluations, evaluates at the same points; the report tabulates both."""
+    """`gsm8kctl control --at all` trains on gold solutions as many completion tokens as the RL run
+    had before each of its evaluations and evaluates at the same points; scripts/results_report.py
+    tabulates both."""
     control = tmp_path / "control"
-    proc = subprocess.run([sys.executable, "scripts/sft_control.py", str(control), "--like", str(reference_run),
-                           "--gold-problems", "64", "finetune.rl.kl_coef=0"],  # overrides after the options
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_cli("control", str(reference_run), "-o", str(control), "--at", "all", "--quiet")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rl = list(read_jsonl(reference_run / "metrics.jsonl"))
     rows = list(read_jsonl(control / "metrics.jsonl"))
     assert [r["iteration"] for r in rows] == [r["iteration"] for r in rl] == [0, 1]
     assert all(r["test_n"] == 3 for r in rows)  # the RL run's eval_limit
     rl_tokens = sum(r["completion_tokens"] for r in read_jsonl(reference_run / "finetune" / "metrics.jsonl"))
-    assert "train_steps_total" not in rows[0] and rows[1]["train_tokens_target"] == rl_tokens
+    assert rows[0]["train_steps_total"] == 0 and rows[1]["train_tokens_target"] == rl_tokens
     trained = sum(r["completion_tokens"] for r in read_jsonl(control / "finetune" / "metrics.jsonl"))
     assert [r["step"] for r in read_jsonl(control / "finetune" / "metrics.jsonl")] == \
         list(range(1, rows[1]["train_steps_total"] + 1))
