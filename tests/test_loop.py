@@ -515,7 +515,7 @@ def test_inprocess_reference_model_scores_every_sample(tiny_model_dir, tmp_path)
 
 def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, tmp_path):
     """`gsm8kctl control --at all` trains on gold solutions as many completion tokens as the RL run
-    had before each of its evaluations and evaluates at the same points; scripts/results_report.py
+    had before each of its evaluations and evaluates at the same points; tools/results_report.py
     tabulates both."""
     control = tmp_path / "control"
     proc = run_cli("control", str(reference_run), "-o", str(control), "--at", "all", "--quiet")
@@ -531,7 +531,7 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
         list(range(1, rows[1]["train_steps_total"] + 1))
     assert trained >= rl_tokens  # gold steps until the RL run's tokens are reached
     assert rows[1]["model"].endswith(f"step-{rows[1]['train_steps_total']:06d}")
-    report = subprocess.run([sys.executable, "scripts/results_report.py", f"{reference_run}=RL", f"{control}=SFT",
+    report = subprocess.run([sys.executable, "tools/results_report.py", f"{reference_run}=RL", f"{control}=SFT",
                              "--plot", str(tmp_path / "r.png"), "--json", str(tmp_path / "r.json")],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr

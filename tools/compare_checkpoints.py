@@ -1,6 +1,6 @@
 """How far apart two checkpoints' weights are: per tensor and overall.
 
-    python scripts/compare_checkpoints.py RUN_A/checkpoints/step-000240 RUN_B/checkpoints/step-000240 --out cmp.json
+    python tools/compare_checkpoints.py RUN_A/checkpoints/step-000240 RUN_B/checkpoints/step-000240 --out cmp.json
 
 Reads `model.safetensors` of each (a checkpoint directory, or a run directory for its latest),
 and reports the tensors that differ, the share of differing elements, and the largest absolute

@@ -1,7 +1,7 @@
 """Put evaluations made afterwards on a run's checkpoints into its metrics.jsonl, where the loop
-would have recorded them, so `scripts/results_report.py` draws them on the run's curve.
+would have recorded them, so `tools/results_report.py` draws them on the run's curve.
 
-    python scripts/merge_checkpoint_evals.py RUN/metrics.jsonl EVALS.txt --start START_EVAL.jsonl \
+    python tools/merge_checkpoint_evals.py RUN/metrics.jsonl EVALS.txt --start START_EVAL.jsonl \
         --out RUN2/metrics.jsonl
 
 A run trained with `test_every_n_iterations=0` (no evaluation inside the loop) can be evaluated

@@ -1,6 +1,6 @@
 """The results table and learning-curve plot of several loop runs, from their metrics.jsonl.
 
-    python scripts/results_report.py runs/rs=rejection runs/reinforce=REINFORCE runs/grpo=GRPO \
+    python tools/results_report.py runs/rs=rejection runs/reinforce=REINFORCE runs/grpo=GRPO \
         --reference "base zero-shot=runs/base0/metrics.json" --plot docs/results.png --json docs/results.json
 
 Each RUN[=LABEL] is a loop run directory. Per run, one table row:

@@ -1,6 +1,8 @@
 """A pytest plugin: run each selected test N times in a row (`--repeat N`), to show a test is not flaky.
 
-    PYTHONPATH=scripts .venv/bin/python -m pytest -p pytest_repeat --repeat 10 \
+Not loaded by default (pytest collects only test_*.py); name it with `-p`, tests/ on the path:
+
+    PYTHONPATH=tests .venv/bin/python -m pytest -p pytest_repeat --repeat 10 \
         tests/test_vllm_backend.py::test_seeds tests/test_openai_backend.py::test_generate_token_exact
 
 The repeats of a test run back to back, so module-scoped fixtures (a vLLM engine, servers) start
