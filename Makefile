@@ -43,7 +43,7 @@ test-fast: install
 	$(PY) -m pytest -x -q -m "not slow and not vllm and not browser"
 
 bench: install
-	$(PY) scripts/bench_sampling.py
+	$(PY) bench/bench_sampling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -6,7 +6,7 @@ only every switch interval (5 ms). A CUDA sampling loop makes thousands of short
 replays, slice copies, an eager prefill's kernels), and the tape writer (grading, JSON, sqlite)
 is runnable for seconds at a time, so each call can cost milliseconds. On a 2-core x86-64 VM
 (2026-12-03), 3000 small in-place torch ops took 15 ms alone and 18 s beside a thread encoding
-JSON (`scripts/bench_host_gate.py`); on one H200 (2026-12-03, commit 398d5c0) a `sample` process's
+JSON (`bench/bench_host_gate.py`); on one H200 (2026-12-03, commit 398d5c0) a `sample` process's
 engine spent 14 of its 31 s on the host while the GPU sat idle (docs/benchmarks.md, "The host
 gate").
 

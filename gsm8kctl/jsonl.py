@@ -64,7 +64,7 @@ def read_jsonl_located(path: str | Path, *, repair_tail: bool = False) -> Iterat
 # hold such a value is walked for it (the rest are not: walking every token list costs time).
 # Overflow needs an exponent of 3+ digits or a run of 300+ digits; the run is found by mapping
 # every digit to "0" (one regex for all of it took 3.7x the line's JSON parse, this 0.6x:
-# scripts/bench_jsonl.py).
+# bench/bench_jsonl.py).
 _BIG_EXPONENT = re.compile(rb"[eE]\+?[0-9]{3}")
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _ZEROS_300 = b"0" * 300

@@ -6,7 +6,7 @@ lists (outcome, text search, a deep page of a sorted filter), one tape, pages of
 second and a deep one), one call, the summary; then reads the server's RSS (now and peak).
 Prints a table on stderr and writes JSON with --out.
 
-    .venv/bin/python scripts/bench_browse.py --out bench_browse.json
+    .venv/bin/python bench/bench_browse.py --out bench_browse.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Iteration time of `gsm8kctl loop`, in-process engine vs child processes, side by side.
 
-    python scripts/bench_loop_engine.py --model TINY_DIR --attempts 2 --forks 16 --iterations 3 \
+    python bench/bench_loop_engine.py --model TINY_DIR --attempts 2 --forks 16 --iterations 3 \
         --max-tokens 32 --out ble.json use_rejection_sampling=false \
         finetune.rl.use_advantages=false                                 # CPU check (random tiny model)
-    python scripts/bench_loop_engine.py --model smollm2-135m --attempts 8 --forks 4096 --iterations 3 \
+    python bench/bench_loop_engine.py --model smollm2-135m --attempts 8 --forks 4096 --iterations 3 \
         --max-tokens 512 --out ble.json                                  # the real model, one GPU
 
 For each engine (`loop.engine=inprocess`, then `processes`) this runs the real `gsm8kctl loop`

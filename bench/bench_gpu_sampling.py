@@ -11,8 +11,8 @@ Parts (`--parts`, comma-separated), each a row or more of one table, all in one 
             second process), `evaluate` on the whole test split; wall time includes start + load
   generate  `model.generate(cache_implementation="static")` on the same 8192 prompts, batch 1024
 
-    python scripts/bench_gpu_sampling.py --parts shapes --tokenizer DIR --out bench.json
-    python scripts/bench_gpu_sampling.py --parts parity,cli,generate --gguf SmolLM2.gguf --data-dir DATA
+    python bench/bench_gpu_sampling.py --parts shapes --tokenizer DIR --out bench.json
+    python bench/bench_gpu_sampling.py --parts parity,cli,generate --gguf SmolLM2.gguf --data-dir DATA
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Training throughput of `gsm8kctl finetune` on random-init models of fixed shapes.
 
-    python scripts/bench_finetune.py --shape tiny --steps 3 --batch 4 --seq 128 --out bf.json   # CPU check
-    python scripts/bench_finetune.py --shape 135m,1.5b --batch 32 --seq 1024 --steps 6 --out bf.json
-    python scripts/bench_finetune.py --shape 135m --num-processes 1,2 --batch 32 --out bf.json   # 1 vs 2 GPUs
-    python scripts/bench_finetune.py --shape 135m --batch 64 --lengths 150-700 --packing false,true \
+    python bench/bench_finetune.py --shape tiny --steps 3 --batch 4 --seq 128 --out bf.json   # CPU check
+    python bench/bench_finetune.py --shape 135m,1.5b --batch 32 --seq 1024 --steps 6 --out bf.json
+    python bench/bench_finetune.py --shape 135m --num-processes 1,2 --batch 32 --out bf.json   # 1 vs 2 GPUs
+    python bench/bench_finetune.py --shape 135m --batch 64 --lengths 150-700 --packing false,true \
         --steps 12 --set finetune.token_budget=8192 --out bf_var.json   # padded vs packed, GSM8k-like lengths
 
 For each shape (× each process count) this:
@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchutil import PeakRSS  # scripts/ is on sys.path when a script runs
+from benchutil import PeakRSS  # bench/ is on sys.path when a script in it runs
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:

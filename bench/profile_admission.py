@@ -7,7 +7,7 @@ This runs the engine on the random-init SmolLM2-135M shape (our decoder, fused) 
 stop at random (200 stop ids, mean ~250 tokens, so slots refill all the way), wraps each step of
 an admission in a host timer, and lists what torch's sync-debug mode reports inside admissions.
 
-    python scripts/profile_admission.py --tokenizer TOKENIZER_DIR --out admission.json
+    python bench/profile_admission.py --tokenizer TOKENIZER_DIR --out admission.json
 """
 
 from __future__ import annotations

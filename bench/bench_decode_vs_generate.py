@@ -1,6 +1,6 @@
 """Our transformers decode loop against plain `model.generate` at equal batch (same prompts, T=1).
 
-    python scripts/bench_decode_vs_generate.py --model smollm2-135m --prompts 32 --n 4 --max-tokens 256 --out b.json
+    python bench/bench_decode_vs_generate.py --model smollm2-135m --prompts 32 --n 4 --max-tokens 256 --out b.json
 
 Both paths sample all rows in one batch of prompts x n; generated tokens count up to and including
 the stop token. The loop also returns each token's log-prob; `generate` is run without scores.

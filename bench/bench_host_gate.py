@@ -3,7 +3,7 @@ windows of short torch calls followed by a blocking wait (a sleep standing in fo
 beside a "writer" thread that encodes tape-sized JSON. Three ways side by side, alternating,
 medians: no writer; writer free-running; writer behind the gate.
 
-    python scripts/bench_host_gate.py --json host-gate.json
+    python bench/bench_host_gate.py --json host-gate.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The host side of `score()`: batching, padding and cutting log-probs into rows, without a model.
 
-    python scripts/bench_score_host.py --rows 8192 --against 5c91cee~1   # the tree before the vectorised score()
+    python bench/bench_score_host.py --rows 8192 --against 5c91cee~1   # the tree before the vectorised score()
 
 On one H200 (2026-12-02, commit 14d38d4), score() ran at 151-185 k scored tokens/s against
 571-720 k for the decoder forward alone; part of the difference was this Python work, which

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default recipe over seeds, and the headline command, side by side on one GPU machine:
-#     source scripts/device/prepare.sh && bash scripts/device/recipe.sh start DIR [SEEDS]
-#     bash scripts/device/recipe.sh poll DIR SECONDS        # waits, then packs DIR's results into $OUT
+#     source bench/gpu/prepare.sh && bash bench/gpu/recipe.sh start DIR [SEEDS]
+#     bash bench/gpu/recipe.sh poll DIR SECONDS        # waits, then packs DIR's results into $OUT
 # `start` copies the package to DIR/app (so editing or replacing this checkout cannot change the
 # runs under way), then starts, each in its own process session so it outlives this shell:
 #   DIR/seeds     gsm8kctl seeds --seeds SEEDS (default 1,2,3): each a loop of the default config and its SFT control

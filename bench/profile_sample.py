@@ -7,9 +7,9 @@ Hugging Face's module: `transformers_imported` in the JSON), prompts until the f
 engine's run (split by its own counters into window syncs, admissions and the rest), the writer
 draining after the last completion, and close. Prints a table and writes JSON.
 
-    python scripts/profile_sample.py --out sample.json -- sample --model M --backend transformers \
+    python bench/profile_sample.py --out sample.json -- sample --model M --backend transformers \
         -q -o /tmp/t/tapes.jsonl --n-problems 1024 --attempts 8 --temperature 1.0 --max-tokens 512
-    python scripts/profile_sample.py --out eval.json -- evaluate --model M --backend transformers -q -o /tmp/e --json
+    python bench/profile_sample.py --out eval.json -- evaluate --model M --backend transformers -q -o /tmp/e --json
 
 `--no-gate` runs the same command with the host gate (gsm8kctl/hostgate.py) never shut: the
 writer thread free-running beside the sampler, as it was before the gate. `--no-overlap` runs

@@ -8,8 +8,8 @@ plan per new shape. This runs the prefill's attention (causal, right-padded, the
 heads) over `--shapes` new (rows, width) shapes, each called twice with a sync around each call,
 and prints the backend torch picks and the first and second call's time.
 
-    python scripts/profile_sdpa_shapes.py --backends default --out sdpa-default.json
-    python scripts/profile_sdpa_shapes.py --backends no-cudnn --out sdpa-no-cudnn.json
+    python bench/profile_sdpa_shapes.py --backends default --out sdpa-default.json
+    python bench/profile_sdpa_shapes.py --backends no-cudnn --out sdpa-no-cudnn.json
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ share). Both decode `--max-tokens` tokens per row, so the difference is the pref
 `score()` on the same two prompt sets with completions of 40-200 tokens (the reference model's
 pass in `filter`), where shared prompts run once per prompt.
 
-    python scripts/bench_prefix_prefill.py --model smollm2-135m --out prefix.json     # this CPU
-    python scripts/bench_prefix_prefill.py --model "$SMOLLM2" --prompts 256 --attempts 16 --out prefix.json
+    python bench/bench_prefix_prefill.py --model smollm2-135m --out prefix.json     # this CPU
+    python bench/bench_prefix_prefill.py --model "$SMOLLM2" --prompts 256 --attempts 16 --out prefix.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 
-from bench_gpu_sampling import gsm8k_like_prompts  # scripts/ is on sys.path when run as a script
+from bench_gpu_sampling import gsm8k_like_prompts  # bench/ is on sys.path when run as a script
 
 
 def main() -> None:

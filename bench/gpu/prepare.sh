@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Source this on an offline GPU machine that has torch and transformers but not the rest of our
 # dependencies, from the repository root:
-#     source scripts/device/prepare.sh && python scripts/bench_loop_engine.py --model "$SMOLLM2" ...
+#     source bench/gpu/prepare.sh && python bench/bench_loop_engine.py --model "$SMOLLM2" ...
 # It needs these git-ignored paths copied beside the checkout (docs/benchmarks.md, "Device runs"):
 #   .whl/                sqlite-utils, sqlite-fts4, click-default-group, click>=8.3.1, gguf wheels
 #   .devdata/gsm8k/      train.jsonl, test.jsonl

@@ -6,7 +6,7 @@ varlen, masked SDPA) and with attention replaced by nothing (what the rest of th
 then the token choice alone, and scoring chunks of several token budgets (whole log-prob pass,
 and the decoder alone). First it checks the split-K kernel against flash on random bf16 data.
 
-    python scripts/profile_slot_step.py --shape 135m --slots 1024,2048 --out profile.json
+    python bench/profile_slot_step.py --shape 135m --slots 1024,2048 --out profile.json
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Sampling and scoring speed of each backend on the same GSM8k prompts and settings.
 
-    python scripts/bench_sampling.py --out bench.json            # every available backend
-    python scripts/bench_sampling.py --backends vllm,openai --n-prompts 8
-    python scripts/bench_sampling.py --backends vllm vllm.dtype=float32   # config overrides, key=value
+    python bench/bench_sampling.py --out bench.json            # every available backend
+    python bench/bench_sampling.py --backends vllm,openai --n-prompts 8
+    python bench/bench_sampling.py --backends vllm vllm.dtype=float32   # config overrides, key=value
 
 Each backend runs in its own subprocess (so start-up includes its imports, and memory is not
 shared between backends): start-up s (imports + engine/model load; for `openai` also starting a
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchutil import PeakRSS  # scripts/ is on sys.path when a script runs
+from benchutil import PeakRSS  # bench/ is on sys.path when a script in it runs
 
 BACKENDS = ("transformers", "vllm", "openai")
 

@@ -7,8 +7,8 @@ regex (before), and `maybe_nonfinite` (now). With `--against REV` it also times 
 same records with `JsonlAppender` (what sample's writer does per tape) from this tree and from
 gsm8kctl/jsonl.py at REV, alternating. Prints a table and writes JSON.
 
-    python scripts/bench_jsonl.py --lines 4096 --out bench-jsonl.json
-    python scripts/bench_jsonl.py --lines 4096 --against c2ac759 --out bench-jsonl-append.json
+    python bench/bench_jsonl.py --lines 4096 --out bench-jsonl.json
+    python bench/bench_jsonl.py --lines 4096 --against c2ac759 --out bench-jsonl-append.json
 """
 
 from __future__ import annotations
