@@ -10,7 +10,7 @@ For each shape (× each process count) this:
 
 1. builds a random-init LlamaForCausalLM directory of that shape (seeded, so every run of a shape
    trains the same weights) with a tokenizer: --tokenizer, else SmolLM2's from
-   `resolve_model("smollm2-135m")`, else `.gpu_smoke/tok`, else a synthesized word-level one.
+   `resolve_model("smollm2-135m")`, else the directory in $TOKENIZER, else a synthesized word-level one.
    The tokenizer's vocabulary need not match the model's (the 1.5B shape has 151936 rows);
    only token ids < the model's vocab_size matter, and they are drawn below min(vocab, 49152);
 2. writes `batch × steps` synthetic samples of exactly --seq tokens (prompt = seq/4, the rest
@@ -96,7 +96,7 @@ def _split_list(values: list[str]) -> list[str]:
 
 
 def load_bench_tokenizer(path: str | None):
-    """--tokenizer, else SmolLM2's (embedded model), else .gpu_smoke/tok, else a synthesized one."""
+    """--tokenizer, else SmolLM2's (embedded model), else $TOKENIZER, else a synthesized one."""
     from transformers import AutoTokenizer
 
     candidates: list[tuple[str, object]] = []
@@ -109,7 +109,8 @@ def load_bench_tokenizer(path: str | None):
             return resolve_model("smollm2-135m")  # cached dir, or a GGUF conversion (needs gguf)
 
         candidates.append(("smollm2-135m", smollm2))
-        candidates.append((".gpu_smoke/tok", lambda: str(REPO / ".gpu_smoke" / "tok")))
+        if os.environ.get("TOKENIZER"):  # as bench/gpu/prepare.sh exports it
+            candidates.append(("$TOKENIZER", lambda: os.environ["TOKENIZER"]))
     for name, where in candidates:
         try:
             src = where()
