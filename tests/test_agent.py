@@ -154,7 +154,7 @@ EXTRACTION_CASES = [
                  r"\text{not enough information}", r"\text{not enough information}",
                  False, False, id="box-without-number"),
     pytest.param(r"\boxed{10^6}", "1000000", "10^6", "10^6", True, True, id="power-of-ten"),
-    # Issue 13 item 8: a number or power too big to be an answer is unreadable, never a crash
+    # A number or power too big to be an answer is unreadable, never a crash
     # (Python refuses int <-> str past 4,300 digits).
     pytest.param(r"\boxed{" + "9" * 44 + "^{99}}", "18", "9" * 44 + "^{99}", "9" * 44 + "^{99}",
                  False, False, id="huge-power-unreadable"),
@@ -168,7 +168,7 @@ EXTRACTION_CASES = [
                  r"\frac{" + "3" * 400 + "}{3}", False, False, id="huge-fraction-unreadable"),
     pytest.param(r"\boxed{10^{100}}", "18", "10^{100}", "10^{100}", False, False,
                  id="big-power-still-a-number"),
-    # Item 9: a minus apart from its number is still its sign.
+    # A minus apart from its number is still its sign.
     pytest.param(r"\boxed{- 5}", "-5", "- 5", "- 5", True, True, id="minus-space"),
     pytest.param(r"\boxed{- 5}", "5", "- 5", "- 5", False, False, id="minus-space-is-not-plus"),
     pytest.param(r"\boxed{-\$ 5}", "-5", r"-\$ 5", r"-\$ 5", True, True, id="minus-dollar-space"),
@@ -177,7 +177,7 @@ EXTRACTION_CASES = [
     pytest.param(r"\boxed{-\left(5\right)}", "-5", r"-\left(5\right)", r"-\left(5\right)",
                  True, True, id="minus-left-right"),
     pytest.param(r"\boxed{(-5)}", "-5", "(-5)", "(-5)", True, True, id="parenthesised-negative"),
-    # Item 10: a box holding an expression or alternatives is unreadable (not evaluated), never
+    # A box holding an expression or alternatives is unreadable (not evaluated), never
     # credited by its last operand; a result after "=" is read.
     pytest.param(r"\boxed{3 \times 18}", "18", r"3 \times 18", r"3 \times 18", False, False,
                  id="product-not-credited"),
@@ -199,7 +199,7 @@ EXTRACTION_CASES = [
                  True, id="frac-unit"),
     pytest.param(r"\boxed{\frac{55}{3} \approx 18}", "18", r"\frac{55}{3} \approx 18",
                  r"\frac{55}{3} \approx 18", True, True, id="approx-reads-stated-value"),
-    # Item 11: lenient reads the number after the last "=", and the statement written last.
+    # Lenient reads the number after the last "=", and the statement written last.
     pytest.param("48 + 24 = 72, so the answer is 48 + 24 = 72.", "72", None, "48 + 24 = 72",
                  False, True, id="answer-is-chain"),
     pytest.param("48 + 24 = 72, so the answer is 48 + 24 = 72.", "48", None, "48 + 24 = 72",

@@ -35,7 +35,7 @@ FINETUNE = ["finetune", "{tmp}/samples.jsonl", "-o", "{tmp}/run"]
 LOOP = ["loop", "--run-dir", "{tmp}/run"]
 
 CASES = [
-    # --- sample: the cases, then each kind of source
+    # --- sample: values out of range, then each kind of source
     Case("sample-attempts-minus-1", [*SAMPLE, "attempts=-1"], "override 'attempts=-1': attempts must be >= 1"),
     Case("sample-attempts-0", [*SAMPLE, "attempts=0"], "override 'attempts=0': attempts must be >= 1, got 0"),
     Case("sample-temperature-negative", [*SAMPLE, "sampling.temperature=-1"],

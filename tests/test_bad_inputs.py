@@ -1,4 +1,4 @@
-"""Bad paths and files, refused before anything is written: one table across the commands (issue 13).
+"""Bad paths and files, refused before anything is written: one table across the commands.
 
 Every row runs the real CLI (tests/badinput.py) and asserts exit 2, one stderr line naming the
 path (or file:line, or option), no traceback, no pre-existing file changed and nothing left
@@ -165,7 +165,7 @@ _BUSY.listen(1)
 BUSY_PORT = str(_BUSY.getsockname()[1])
 
 # --------------------------------------------------------------------------------------------
-# Item 1: an output that is one of the inputs, or a GSM8k data file
+# An output that is one of the inputs, or a GSM8k data file
 
 CLOBBER = [
     Case("filter-o-is-the-input", ["filter", T, "-o", T], "is the input file", files(tapes_jsonl=TAPES)),
@@ -215,7 +215,7 @@ CLOBBER = [
 ]
 
 # --------------------------------------------------------------------------------------------
-# Item 2: sample/evaluate append to -o; an existing file that is not our tapes is refused whole
+# sample/evaluate append to -o; an existing file that is not our tapes is refused whole
 
 FRAGMENT = our_line(tape(1))[:60]  # what a writer of ours leaves when it dies mid-line
 APPEND = [
@@ -274,7 +274,7 @@ REPLACE = [
 ]
 
 # --------------------------------------------------------------------------------------------
-# Item 7: impossible output paths, broken call logs and state, unknown offline models
+# Impossible output paths, broken call logs and state, unknown offline models
 
 PATHS = [
     # the parent of the output is a file
@@ -408,7 +408,7 @@ OPTIONS = [
 ]
 
 # --------------------------------------------------------------------------------------------
-# Item 17: messages name what the user gave; stats of bad paths
+# Messages name what the user gave; stats of bad paths
 
 MESSAGES = [
     Case("evaluate-limit-zero-names-limit", ["evaluate", "-o", "{tmp}/ev", "--limit", "0", "--model", "{tiny}"],
@@ -608,7 +608,7 @@ def test_a_path_error_no_check_foresaw_is_exit_2_naming_the_path(tmp_path, capsy
 
 
 # --------------------------------------------------------------------------------------------
-# Item 2, the runs that go ahead: only our own half-written last line is dropped
+# Appending to -o, the runs that go ahead: only our own half-written last line is dropped
 
 
 def test_sample_drops_only_its_own_half_line_and_keeps_a_whole_last_line(tiny_model_dir, tmp_path):

@@ -238,7 +238,7 @@ def test_run_directory_files_without_tapes_are_ignored_quietly(tmp_path, capsys)
 
 
 def test_output_inside_a_source_or_on_a_source_is_refused(tmp_path):
-    # Issue 13: an output inside a source directory could replace a tapes file found there.
+    # An output inside a source directory could replace a tapes file found there.
     src = tmp_path / "src"
     write(src / "tapes.jsonl", jsonl([our_tape("a"), our_tape("b")]))
     before = (src / "tapes.jsonl").read_bytes()
@@ -312,7 +312,7 @@ def test_gathered_file_feeds_stats(tmp_path):
 
 
 def test_tapeagents_text_is_graded_by_our_extractors(tmp_path):
-    # Issue 13 item 15: strict/format/lenient come from agent.grade on the completion text.
+    # strict/format/lenient come from agent.grade on the completion text.
     def task(value) -> dict:
         return ta_step("task", other={"question": QUESTION, "value": value}, task=QUESTION)
 
@@ -349,7 +349,7 @@ def test_tapeagents_text_is_graded_by_our_extractors(tmp_path):
 
 
 def test_stats_count_a_cut_completion_as_not_correct(tmp_path):
-    # Issue 13 item 12: a right box cut at max tokens has reward -1, so accuracy must not count it;
+    # A right box cut at max tokens has reward -1, so accuracy must not count it;
     # answer.correct_strict still says the box was right. "old-cut" was written before the fix.
     cut = our_tape("cut", attempt=1)
     cut.update(finish_reason="length", reward=-1.0, correct=False)
