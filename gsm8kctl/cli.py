@@ -19,6 +19,7 @@ import typer
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, Stopped, UserError
 from gsm8kctl.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
+from gsm8kctl.progress import error_line
 
 app = typer.Typer(
     help="Rejection sampling and REINFORCE-style RL for GSM8k. Every stage reads and writes files; "
@@ -84,12 +85,12 @@ def _handle_errors(fn):
         except UserError as exc:
             if os.environ.get("GSM8KCTL_DEBUG"):
                 raise
-            typer.echo(f"Error: {exc}", err=True)
+            error_line(f"Error: {exc}")
             raise typer.Exit(EXIT_BAD_INPUT)
         except (StageFailed, Stopped) as exc:
             if os.environ.get("GSM8KCTL_DEBUG"):
                 raise
-            typer.echo(f"Error: {exc}", err=True)
+            error_line(f"Error: {exc}")
             raise typer.Exit(EXIT_INTERNAL)
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
@@ -103,18 +104,17 @@ def _handle_errors(fn):
             if _is_write_error(exc):  # a full disk: not the user's input, not our bug either
                 if exc.filename == STDOUT_NAME:
                     _discard_stdout()
-                typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
+                error_line(f"Error: {exc.filename}: {exc.strerror}")
                 raise typer.Exit(EXIT_INTERNAL)
             from gsm8kctl import oom
 
             if oom.is_oom(exc):  # a shared GPU filled up: expected, not a bug (gsm8kctl/oom.py)
-                typer.echo(f"Error: {oom.describe(fn.__name__.rstrip('_').replace('_', '-'))}", err=True)
+                error_line(f"Error: {oom.describe(fn.__name__.rstrip('_').replace('_', '-'))}")
                 raise typer.Exit(EXIT_INTERNAL)
             if _is_path_error(exc):  # a path the stages' checks did not foresee: still the user's input
-                typer.echo(f"Error: {exc.filename}: {exc.strerror}", err=True)
+                error_line(f"Error: {exc.filename}: {exc.strerror}")
                 raise typer.Exit(EXIT_BAD_INPUT)
-            typer.echo(f"Internal error: {type(exc).__name__}: {exc} (GSM8KCTL_DEBUG=1 shows the traceback)",
-                       err=True)
+            error_line(f"Internal error: {type(exc).__name__}: {exc} (GSM8KCTL_DEBUG=1 shows the traceback)")
             raise typer.Exit(EXIT_INTERNAL)
 
     return wrapper
@@ -293,10 +293,11 @@ def finetune(
     model: ModelOpt = None,
     config: ConfigOpt = None,
     quiet: QuietOpt = False,
+    json_out: JsonOpt = False,
 ):
     """Train the latest checkpoint (or --init) on samples; resumable, multi-process with accelerate."""
     from gsm8kctl.progress import say
-    from gsm8kctl.stages.finetune import run_finetune
+    from gsm8kctl.stages.finetune import describe_result, run_finetune
 
     paths, overrides = _split_paths(samples)
     if not paths:
@@ -304,8 +305,10 @@ def finetune(
     cfg = _config(config, overrides, model=model)
     summary = run_finetune(paths, out, cfg, init=init, objective=objective, num_processes=num_processes,
                            steps=steps, max_steps=max_steps, quiet=quiet)
-    if not quiet and summary:
-        say(json.dumps(summary, allow_nan=False), verbatim=True)
+    if json_out:
+        _print_json(summary)
+    elif not quiet and summary and describe_result(summary):
+        say(describe_result(summary), verbatim=True)
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -321,6 +324,9 @@ def loop(
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
     quiet: QuietOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries print (logs, "
+                                                                  "warnings, progress bars) here too; without "
+                                                                  "it, it goes to RUN/output.log only.")] = False,
 ):
     """The RL loop: evaluate, sample, filter, finetune, record; crash-safe resume."""
     from gsm8kctl.stages.loop import loop as run
@@ -329,7 +335,8 @@ def loop(
     cfg = load_config(config, overrides or [], command="loop", sizes_chosen=sizes,
                       options=dict(attempts=attempts, iterations=iterations, model=model, backend=backend,
                                    data_dir=str(data_dir) if data_dir else None))
-    run(cfg, str(run_dir), quiet=quiet, sizes=sizes)
+    run(cfg, str(run_dir), quiet=quiet, sizes=sizes,
+        library_log=not (verbose or os.environ.get("GSM8KCTL_DEBUG")))
 
 
 @app.command()
@@ -455,9 +462,10 @@ def _usage_error_line(exc) -> str:
 
 def main() -> None:
     """Run the app; a usage error (bad option, bad typed value) is one `Error:` line and exit 2."""
-    from gsm8kctl.progress import keep_stdout_for_data
+    from gsm8kctl.progress import keep_stdout_for_data, talk_from_parent
 
     keep_stdout_for_data()
+    talk_from_parent()
     errors = _click_exceptions()
     try:
         rv = app(standalone_mode=False)
@@ -467,13 +475,13 @@ def main() -> None:
     except errors.UsageError as exc:  # BadParameter, NoSuchOption, MissingParameter...
         if os.environ.get("GSM8KCTL_DEBUG"):
             raise
-        typer.echo(f"Error: {_usage_error_line(exc)}", err=True)
+        error_line(f"Error: {_usage_error_line(exc)}")
         sys.exit(EXIT_BAD_INPUT)
     except errors.ClickException as exc:
-        typer.echo(f"Error: {' '.join(exc.format_message().split())}", err=True)
+        error_line(f"Error: {' '.join(exc.format_message().split())}")
         sys.exit(exc.exit_code)
     except typer.Abort:
-        typer.echo("Aborted.", err=True)
+        error_line("Aborted.")
         sys.exit(EXIT_INTERNAL)
     # Without standalone mode click returns the exit code of a typer.Exit, or the command's value.
     code = rv if isinstance(rv, int) else 0
@@ -484,7 +492,7 @@ def main() -> None:
         _discard_stdout()
     except OSError as exc:
         _discard_stdout()
-        typer.echo(f"Error: {exc.filename or STDOUT_NAME}: {exc.strerror}", err=True)
+        error_line(f"Error: {exc.filename or STDOUT_NAME}: {exc.strerror}")
         code = code or EXIT_INTERNAL
     sys.exit(code)
 

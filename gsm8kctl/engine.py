@@ -30,8 +30,9 @@ from pathlib import Path
 
 from gsm8kctl.errors import UserError
 from gsm8kctl.jsonl import read_jsonl
-from gsm8kctl.procs import StageRecord, run_stage
+from gsm8kctl.procs import TALK_FD_ENV, StageRecord, run_stage
 from gsm8kctl.progress import say
+from gsm8kctl.rundir import OUTPUT_LOG_FILE
 from gsm8kctl.tapes import LLM_CALLS_FILE
 
 ENGINES = ("auto", "inprocess", "processes")
@@ -211,7 +212,9 @@ class ProcessEngine:
         env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
         rc = run_stage([*args, "--config", self.config_path], on_start=remember, env=env)
         if rc != 0:
-            raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}; fix the cause and rerun the "
+            log = self.run_dir / OUTPUT_LOG_FILE
+            where = f" (what it printed besides: {log})" if os.environ.get(TALK_FD_ENV) else ""
+            raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}{where}; fix the cause and rerun the "
                             "same command to resume")
 
 
@@ -242,7 +245,7 @@ class InProcessEngine:
                  overrides: dict | None = None) -> dict:
         """One phase on the resident trainer, checked like the stage; then the sampler takes its weights."""
         from gsm8kctl.config import set_value
-        from gsm8kctl.stages.finetune import _check_finetune_config, _load_and_check, _resolve_start, \
+        from gsm8kctl.stages.finetune import check_finetune_config, load_and_check, resolve_start, \
             resolve_objective
 
         waited = self.wait_saved()  # the previous phase's checkpoint is where this one starts
@@ -252,9 +255,9 @@ class InProcessEngine:
             set_value(cfg, key, value)
         objective = resolve_objective(cfg, objective)
         set_value(cfg, "finetune.objective", objective)
-        _check_finetune_config(cfg["finetune"])
-        start, resume, note = _resolve_start(self.run_dir, None, cfg)
-        samples = _load_and_check([str(samples_path)], start, cfg, objective)
+        check_finetune_config(cfg["finetune"])
+        start, resume, note = resolve_start(self.run_dir, None, cfg)
+        samples = load_and_check([str(samples_path)], start, cfg, objective)
         if self.trainer is None:
             from gsm8kctl.training import Trainer
 
@@ -301,9 +304,9 @@ class InProcessEngine:
         if ref is None or resolve_backend_name(self.cfg["filter"]["ref_backend"]) != "transformers":
             return None  # (a vLLM scorer would hold its GPU share between phases)
         if self.ref is None:
-            from gsm8kctl.stages.filter import _open_scorer
+            from gsm8kctl.stages.filter import open_scorer
 
-            self.ref = _open_scorer(ref, "transformers", self.cfg)
+            self.ref = open_scorer(ref, "transformers", self.cfg)
         return self.ref.score
 
     def wait_saved(self) -> float:

@@ -165,6 +165,23 @@ def token_processes(token: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------- supervised children
+# The loop sends what libraries print to a log file and keeps the terminal for its own talk on
+# this descriptor (progress.library_output_to); the stage processes it starts get it too.
+TALK_FD_ENV = "GSM8KCTL_TALK_FD"
+
+
+def talk_fds() -> tuple[int, ...]:
+    """The descriptor a started process needs to talk on the terminal (for Popen's pass_fds)."""
+    fd = os.environ.get(TALK_FD_ENV)
+    if not (fd and fd.isdigit()):
+        return ()
+    try:
+        os.fstat(int(fd))
+    except OSError:
+        return ()
+    return (int(fd),)
+
+
 def start_supervised(cmd: list[str], *, grace_s: float = 5.0, token: str | None = None,
                      env: dict | None = None, **popen_kwargs) -> subprocess.Popen:
     """Start `cmd` under a supervisor (module docstring) leading a new process group.
@@ -178,6 +195,7 @@ def start_supervised(cmd: list[str], *, grace_s: float = 5.0, token: str | None 
     full_env[STAGE_TOKEN_ENV] = token
     sup = [sys.executable, "-m", "gsm8kctl.procs", "--grace", str(grace_s), "--parent", str(os.getpid()),
            "--", *cmd]
+    popen_kwargs.setdefault("pass_fds", talk_fds())  # the loop's talk reaches the terminal from a stage too
     proc = subprocess.Popen(sup, env=full_env, start_new_session=True,
                             preexec_fn=die_with_parent(signal.SIGTERM), **popen_kwargs)
     proc.token = token
@@ -396,7 +414,7 @@ def supervise(cmd: list[str], grace_s: float, parent: int) -> int:
         if os.getppid() != parent:
             raise _Stop()
         # The command gets SIGKILL should we ever be killed without cleaning up.
-        child = subprocess.Popen(cmd, preexec_fn=die_with_parent(signal.SIGKILL))
+        child = subprocess.Popen(cmd, preexec_fn=die_with_parent(signal.SIGKILL), pass_fds=talk_fds())
         # Blocked only after the fork (the mask is inherited): a SIGCHLD then wakes the wait early.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         while True:

@@ -8,6 +8,8 @@ import time
 
 from rich.console import Console
 
+from gsm8kctl.procs import TALK_FD_ENV, talk_fds
+
 console = Console(stderr=True)
 
 
@@ -37,6 +39,42 @@ def keep_stdout_for_data() -> None:
 
 def _stdout_to_stderr() -> None:
     sys.stdout = sys.stderr
+
+
+def library_output_to(log_path: str | os.PathLike) -> None:
+    """From now on what this process and every process it starts write to stdout and stderr
+    (vLLM's and transformers' logs, Python warnings, progress bars of weight loading, a stage's
+    JSON result) is appended to `log_path`; our talk (`say`, `warn`, errors) stays on the
+    terminal through a copy of stderr. Called by the loop once its checks have passed."""
+    talk = os.dup(2)
+    os.set_inheritable(talk, True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.dup2(fd, 1)  # fd 1 is a copy of stderr (keep_stdout_for_data); the data stream is not on it
+    os.close(fd)
+    sys.stdout.flush()
+    # A library's print() too: the loop writes no data on stdout, its summary is talk.
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    os.environ[TALK_FD_ENV] = str(talk)
+    _talk_to(talk)
+
+
+def talk_from_parent() -> None:
+    """In a stage process the loop started: talk on the descriptor it passed down, if any (one
+    not passed down, in a process started by someone else, is not open: talk on stderr)."""
+    for fd in talk_fds():
+        _talk_to(fd)
+
+
+def _talk_to(fd: int) -> None:
+    console.file = open(fd, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+
+def error_line(message: str) -> None:
+    """The one line a failed command ends with, where the user reads our talk."""
+    console.file.write(message + "\n")
+    console.file.flush()
 
 
 def say(message: str, quiet: bool = False, *, verbatim: bool = False) -> None:
@@ -75,7 +113,7 @@ class Progress:
         self.start = time.perf_counter()
         self._last_line = 0.0
         self._bar = None
-        if not quiet and sys.stderr.isatty():
+        if not quiet and console.file.isatty():  # the terminal our talk goes to (library_output_to)
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 

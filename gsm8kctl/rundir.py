@@ -4,6 +4,7 @@
     RUN/state.json                      what the loop does next (rewritten atomically per phase)
     RUN/.lock                           flock held by the running loop
     RUN/llm_calls.sqlite                every LLM call of every phase
+    RUN/output.log                      what libraries and the phases' processes printed (without -v)
     RUN/metrics.jsonl                   one line per iteration; RUN/learning_curve.png its plot
     RUN/pass_rates.jsonl                one line per training problem sampled: its pass rate (curriculum.py)
     RUN/warmup/samples.jsonl            gold samples of the warm start
@@ -37,6 +38,7 @@ LOCK_FILE = ".lock"
 RUN_METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
 PASS_RATES_FILE = "pass_rates.jsonl"
+OUTPUT_LOG_FILE = "output.log"
 WARMUP_DIR = "warmup"
 ITERATIONS_DIR = "iterations"
 WARNINGS_FILE = "warnings.jsonl"

@@ -3,11 +3,12 @@ stop when an iteration gives nothing to learn from, one seed meaning one run, an
 control commands on the tiny model."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import GSM8K_DIR, run_cli
+from conftest import GSM8K_DIR, REPO, run_cli
 from gsm8kctl.config import load_config
 from gsm8kctl.data import split_problems
 from gsm8kctl.jsonl import read_jsonl
@@ -209,3 +210,27 @@ def test_the_curriculum_draws_open_problems_again(tmp_path, tiny_model_dir):
     assert len(second) == 4 and {table[0]["problem_id"], table[1]["problem_id"]} <= second
     again = {r["problem_id"]: r for r in read_jsonl(run / "pass_rates.jsonl")}
     assert again[table[0]["problem_id"]]["iterations"] == [[0, 1, 2], [1, 0, 2]]
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "processes"])
+def test_the_loop_keeps_library_output_in_its_log(tmp_path, tiny_model_dir, engine):
+    """What libraries print, in the loop's process or a stage's, goes to RUN/output.log; the
+    terminal gets the loop's own talk. With -v both."""
+    chatter = tmp_path / "site"
+    chatter.mkdir()
+    shutil.copy(REPO / "tests" / "library_chatter.py", chatter / "sitecustomize.py")
+    env = {"PYTHONPATH": str(chatter), "GSM8KCTL_TEST_CHATTER": "1"}
+    args = ["loop", "--model", tiny_model_dir, *SMALL, f"loop.engine={engine}", "--iterations", "1",
+            "stop_without_signal=0", "filter.drop_uniform_groups=false", "finetune.rl.use_advantages=false"]
+    run = tmp_path / "run"
+    proc = run_cli(*args, "--run-dir", str(run), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHATTER" not in proc.stderr and "CHATTER" not in proc.stdout
+    log = (run / "output.log").read_text()
+    for what in ("on stdout", "on stderr", "as a FutureWarning", "as a log record"):
+        assert f"CHATTER {what}" in log, what
+    assert f"engine: {engine}" in proc.stderr and "iteration 0" in proc.stderr  # the loop's own talk
+    assert '"steps_run"' not in proc.stderr  # a finetune phase's result is not a JSON dump
+    loud = run_cli(*args, "--run-dir", str(tmp_path / "loud"), "-v", env=env)
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert "CHATTER on stderr" in loud.stderr and not (tmp_path / "loud" / "output.log").exists()

@@ -160,7 +160,8 @@ def configured_reference(fcfg: dict) -> str | None:
     return None if fcfg["ref_model"] == START_MODEL else fcfg["ref_model"]
 
 
-def _open_scorer(ref_model: str, ref_backend: str, cfg: dict):
+def open_scorer(ref_model: str, ref_backend: str, cfg: dict):
+    """The reference model on `ref_backend`, for its `score()` (the loop keeps one open)."""
     from gsm8kctl.attempts import check_backend_device
     from gsm8kctl.backends import get_backend
     from gsm8kctl.models import resolve_model
@@ -236,7 +237,7 @@ def filter_tapes(
     # --- reference log-probs, when the reward needs them (implicit KL) ----------------------
     own_scorer = None
     if (scorer is None) and ref_model:
-        own_scorer = _open_scorer(ref_model, ref_backend, cfg)
+        own_scorer = open_scorer(ref_model, ref_backend, cfg)
         scorer = own_scorer.score
     try:
         if scorer is not None and kl_coef:
@@ -422,7 +423,7 @@ def run_filter(
                                        data_dir=data_dir)
         if ref_model or cfg["filter"]["ref_model"]:
             ref = ref_model or cfg["filter"]["ref_model"]
-            backend = _open_scorer(ref, ref_backend or cfg["filter"]["ref_backend"], cfg)
+            backend = open_scorer(ref, ref_backend or cfg["filter"]["ref_backend"], cfg)
             try:
                 refs = score_in_chunks(backend.score, [s["input_ids"][:s["prompt_len"]] for s in samples],
                                        [s["input_ids"][s["prompt_len"]:] for s in samples],

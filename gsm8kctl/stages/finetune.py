@@ -105,13 +105,13 @@ def run_finetune(
     objective = resolve_objective(cfg, objective)
     set_value(cfg, "finetune.objective", objective)
     ft = cfg["finetune"]
-    _check_finetune_config(ft)
+    check_finetune_config(ft)
     out_dir = Path(out)
     _check_out(out_dir, samples_paths, cfg)
 
-    start, resume, note = _resolve_start(out_dir, init, cfg)
+    start, resume, note = resolve_start(out_dir, init, cfg)
     kl = ft["rl"]["kl_coef"]
-    samples = _load_and_check(samples_paths, start, cfg, objective)
+    samples = load_and_check(samples_paths, start, cfg, objective)
     if not resume:  # a model not ours: one line if transformers cannot read it, before any output
         from gsm8kctl.models import check_transformers_reads
 
@@ -145,7 +145,18 @@ def _check_out(out_dir: Path, samples_paths: Sequence[str], cfg: dict) -> None:
                                 "move it out of the run directory's checkpoints/ and finetune/")
 
 
-def _check_finetune_config(ft: dict) -> None:
+def describe_result(result: dict) -> str | None:
+    """finetune's closing line, from what `run_finetune` returns (`--json` prints it whole); None
+    when it trained nothing (it said so when it found out)."""
+    if not result["steps_run"]:
+        return None
+    loss = (result.get("last_metrics") or {}).get("loss")
+    said = f", last loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+    return (f"finetune: {result['steps_run']} optimizer steps, now at step {result['step']} of {result['target']}"
+            f"{said}; checkpoint {result['checkpoint']}")
+
+
+def check_finetune_config(ft: dict) -> None:
     """The finetune section against the schema once more: a caller from Python may hand over a
     dict that `load_config` never saw, and a bad value must stop before any worker starts."""
     from gsm8kctl import config_schema as schema
@@ -154,7 +165,7 @@ def _check_finetune_config(ft: dict) -> None:
         raise UserError(f"config: {key} {problem}")
 
 
-def _resolve_start(out_dir: Path, init: str | None, cfg: dict) -> tuple[str, bool, str]:
+def resolve_start(out_dir: Path, init: str | None, cfg: dict) -> tuple[str, bool, str]:
     """(model dir to load, resume training state?, message): latest checkpoint > --init > base."""
     from gsm8kctl.models import resolve_model
 
@@ -187,7 +198,10 @@ def _vocab_size(start: str) -> int | None:
         return None
 
 
-def _load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) -> list[dict]:
+def load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) -> list[dict]:
+    """The samples of `paths`, checked against the model `start` (its directory, its vocabulary)
+    and what `objective` and the KL term need; the KL is turned off when no sample has ref
+    log-probs (the caller says so)."""
     ft = cfg["finetune"]
     if Path(start).is_dir():  # a checkpoint resumed from did not go through resolve_model's check
         from gsm8kctl.models import check_model_dir

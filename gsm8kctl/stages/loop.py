@@ -24,8 +24,8 @@ from gsm8kctl.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.llm_calls import check_log
 from gsm8kctl.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
 from gsm8kctl.procs import StageRecord
-from gsm8kctl.progress import WARNINGS_ENV, console, say
-from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE, START_ITERATION,
+from gsm8kctl.progress import WARNINGS_ENV, console, library_output_to, say
+from gsm8kctl.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, OUTPUT_LOG_FILE, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE, START_ITERATION,
                              START_MODEL, STATE_FILE, WARMUP_DIR, WARNINGS_FILE, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
                              load_state, mark_keep, save_state, unmark_keep)
 from gsm8kctl.stages.stats import tape_stats
@@ -173,8 +173,11 @@ def _is_run_metrics(p: Path) -> bool:
 RUN_METRICS = OwnFile(_is_run_metrics, "a loop's metrics (one line per iteration)")
 
 
-def loop(cfg: dict, run_dir: str, *, quiet: bool = False, sizes: dict | None = None) -> dict:
-    """`sizes`: what the config's `auto` keys became on this machine (printed at start)."""
+def loop(cfg: dict, run_dir: str, *, quiet: bool = False, sizes: dict | None = None,
+         library_log: bool = False) -> dict:
+    """`sizes`: what the config's `auto` keys became on this machine (printed at start).
+    `library_log`: what libraries print (here and in the stage processes) goes to RUN/output.log,
+    not the terminal (the command line's default; `-v` keeps it on the terminal)."""
     run = Path(run_dir)
     # Every check before the run directory is created or anything in it is written.
     check_output_dir(run, option="--run-dir", files=(CONFIG_FILE, STATE_FILE, RUN_METRICS_FILE),
@@ -199,6 +202,8 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False, sizes: dict | None = N
                         "from, and this state file (written before the option existed) does not say; set "
                         "filter.ref_model to that model's path")
     run.mkdir(parents=True, exist_ok=True)
+    if library_log:
+        library_output_to(run / OUTPUT_LOG_FILE)
     from gsm8kctl.sizes import describe
 
     if sizes:
