@@ -294,3 +294,19 @@ def stop_token_ids(tokenizer) -> list[int]:
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end is not None:
         ids.add(im_end)
     return sorted(ids)
+
+
+def load_chat_tokenizer(path: str):
+    """`ChatTokenizer` (tokenizer.py: no transformers import) where the directory has what it
+    needs (tokenizer.json and a template string), else transformers' tokenizer (`load_tokenizer`)."""
+    import json
+
+    from gsm8kctl.tokenizer import ChatTokenizer, chat_template_of
+
+    root = Path(path)
+    config_file = root / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template = chat_template_of(root, config)
+    if (root / "tokenizer.json").is_file() and template is not None:
+        return ChatTokenizer(root, config, template)
+    return load_tokenizer(path)

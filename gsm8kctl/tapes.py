@@ -158,3 +158,10 @@ def outcome(tape: dict) -> str:
 def _round6(values) -> list[float]:
     """Log-probs to 6 decimals, vectorised (Python's round() per value cost 2 s per 3M tokens)."""
     return np.round(np.asarray(values, dtype=np.float64), 6).tolist()
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k) for n attempts, c correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

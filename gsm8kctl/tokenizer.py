@@ -9,7 +9,8 @@ results: the chat template rendered as `apply_chat_template` renders it (a sandb
 environment with trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson`
 that does not escape HTML, the special tokens as variables), text encoded by the same Rust
 tokenizer, special tokens from tokenizer_config.json. tests/test_tokenizer.py compares both on
-GSM8k prompts. A directory without tokenizer.json or a chat template string loads transformers'.
+GSM8k prompts. `models.load_chat_tokenizer` loads transformers' for a directory without
+tokenizer.json or a chat template string.
 """
 
 from __future__ import annotations
@@ -126,17 +127,3 @@ class ChatTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def load_chat_tokenizer(path: str):
-    """`ChatTokenizer` where the directory has what it needs (tokenizer.json and a template
-    string), else transformers' tokenizer (`models.load_tokenizer`)."""
-    root = Path(path)
-    config_file = root / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    template = chat_template_of(root, config)
-    if (root / "tokenizer.json").is_file() and template is not None:
-        return ChatTokenizer(root, config, template)
-    from gsm8kctl.models import load_tokenizer
-
-    return load_tokenizer(path)

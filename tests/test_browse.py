@@ -468,7 +468,7 @@ def test_llm_calls_search_is_bounded(tmp_path):
 
 
 def test_summary_numbers(site):
-    from gsm8kctl.stages.stats import pass_at_k
+    from gsm8kctl.tapes import pass_at_k
 
     r = site["client"].get("/summary")
     assert r.status_code == 200

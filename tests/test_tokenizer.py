@@ -16,7 +16,8 @@ from gsm8kctl.chat import render_completion
 from gsm8kctl.config import load_config
 from gsm8kctl.data import load_problems
 from gsm8kctl.models import load_tokenizer, stop_token_ids
-from gsm8kctl.tokenizer import ChatTokenizer, load_chat_tokenizer
+from gsm8kctl.models import load_chat_tokenizer
+from gsm8kctl.tokenizer import ChatTokenizer
 
 
 @pytest.mark.parametrize("few_shot", [0, 4])

@@ -99,7 +99,7 @@ class TransformersBackend:
         if self.native:
             # Our decoder and the Rust tokenizer: no transformers import in this process (llama.py).
             from gsm8kctl.backends import llama
-            from gsm8kctl.tokenizer import load_chat_tokenizer
+            from gsm8kctl.models import load_chat_tokenizer
 
             self.tokenizer = load_chat_tokenizer(model)
             self.model_obj = llama.load(model, device=self.device, dtype=pick_dtype(self.device, dtype))

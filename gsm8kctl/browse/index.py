@@ -516,7 +516,7 @@ class TapeIndex:
         return self._cached("summary", self._summary)
 
     def _summary(self) -> dict:
-        from gsm8kctl.stages.stats import pass_at_k
+        from gsm8kctl.tapes import pass_at_k
 
         c = self.conn
         groups: dict[tuple, dict] = {}

@@ -8,7 +8,7 @@ from itertools import chain
 from typing import Iterable, Iterator
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.tapes import check_tape, outcome
+from gsm8kctl.tapes import check_tape, outcome, pass_at_k
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -25,13 +25,6 @@ def length_summary(values: list[int]) -> dict:
         return {"min": 0, "max": 0, "mean": 0.0, "p50": 0, "p90": 0, "p99": 0}
     return {"min": v[0], "max": v[-1], "mean": round(sum(v) / len(v), 2),
             "p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99)}
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k) for n attempts, c correct."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def tape_stats(tapes: Iterable[dict]) -> dict:
