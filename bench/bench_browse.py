@@ -33,7 +33,7 @@ TARGET_S = 1.0
 
 
 def build(run: Path, n_tapes: int, n_calls: int, attempts: int = 8) -> dict:
-    from gsm8kctl.llm_calls import insert_calls, open_log
+    from gsm8kctl.artifacts.llm_calls import insert_calls, open_log
 
     rng = random.Random(0)
     tapes_file = run / "iterations" / "0000" / "tapes.jsonl"

@@ -104,7 +104,7 @@ def load_bench_tokenizer(path: str | None):
         candidates.append((path, lambda: path))
     else:
         def smollm2():
-            from gsm8kctl.models import resolve_model
+            from gsm8kctl.artifacts.models import resolve_model
 
             return resolve_model("smollm2-135m")  # cached dir, or a GGUF conversion (needs gguf)
 
@@ -210,7 +210,7 @@ def run_one(shape: str, nproc: int, model_dir: str, params: int, samples: str, r
 
     from gsm8kctl.config import load_config
     from gsm8kctl.stages.finetune import run_finetune
-    from gsm8kctl.training import _compile_wanted
+    from gsm8kctl.training.trainer.trainer import _compile_wanted
 
     cuda = torch.cuda.is_available()
     per_proc = args.batch // nproc

@@ -83,8 +83,8 @@ def timed_generate(backend, prompts, params):
 def part_shapes(a, work: Path, rows: list) -> None:
     import torch
 
-    from gsm8kctl.backends.base import SamplingParams
-    from gsm8kctl.backends.transformers import TransformersBackend
+    from gsm8kctl.sampling.backends.base import SamplingParams
+    from gsm8kctl.sampling.backends.transformers import TransformersBackend
 
     for shape, attempts in (("135m", a.shape_attempts_135m), ("1.5b", a.shape_attempts_15b)):
         path = random_model(shape, a.tokenizer, work / f"rand-{shape}")
@@ -129,9 +129,9 @@ def part_score(a, work: Path, rows: list) -> None:
 
     import torch
 
-    from gsm8kctl import logprobs
-    from gsm8kctl.backends.base import SamplingParams
-    from gsm8kctl.backends.transformers import TransformersBackend, distinct_prompts
+    from gsm8kctl.training.trainer import logprobs
+    from gsm8kctl.sampling.backends.base import SamplingParams
+    from gsm8kctl.sampling.backends.transformers import TransformersBackend, distinct_prompts
 
     attempts = a.shape_attempts_135m
     path = random_model("135m", a.tokenizer, work / "rand-135m")
@@ -178,10 +178,10 @@ def part_score(a, work: Path, rows: list) -> None:
 
 def part_parity(a, model: str, work: Path, rows: list, data_dir: str) -> None:
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.backends.base import SamplingParams
-    from gsm8kctl.backends.transformers import TransformersBackend
-    from gsm8kctl.chat import render_prompt
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.sampling.backends.base import SamplingParams
+    from gsm8kctl.sampling.backends.transformers import TransformersBackend
+    from gsm8kctl.artifacts.chat import render_prompt
+    from gsm8kctl.artifacts.data import load_problems
 
     problems = load_problems("test", data_dir)[:a.parity_problems]
     eng = TransformersBackend(model, cfg_with("transformers.static_cache=true", "sampling.max_slots=32"),
@@ -249,9 +249,9 @@ def part_generate(a, model: str, work: Path, rows: list, data_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.chat import render_prompt
-    from gsm8kctl.data import load_problems
-    from gsm8kctl.models import load_tokenizer, stop_token_ids
+    from gsm8kctl.artifacts.chat import render_prompt
+    from gsm8kctl.artifacts.data import load_problems
+    from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(model)
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
@@ -306,7 +306,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     model = a.model
     if a.gguf:
-        from gsm8kctl.models import convert_gguf
+        from gsm8kctl.artifacts.models import convert_gguf
 
         model = str(work / "model")
         convert_gguf(Path(a.gguf), Path(model))

@@ -1,4 +1,4 @@
-"""The GIL convoy that `gsm8kctl/hostgate.py` removes, without a GPU: a "sampling" thread runs
+"""The GIL convoy that `gsm8kctl/sampling/hostgate.py` removes, without a GPU: a "sampling" thread runs
 windows of short torch calls followed by a blocking wait (a sleep standing in for the device),
 beside a "writer" thread that encodes tape-sized JSON. Three ways side by side, alternating,
 medians: no writer; writer free-running; writer behind the gate.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from gsm8kctl.hostgate import HostGate  # noqa: E402
+from gsm8kctl.sampling.hostgate import HostGate  # noqa: E402
 
 TAPE = {"completion_token_ids": list(range(350)), "logprobs": [-0.123456] * 350, "text": "x" * 1200}
 

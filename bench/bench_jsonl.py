@@ -5,7 +5,7 @@ numbers beyond float range (jsonl.py). This writes tape-like lines (text, 150 to
 log-probs each), then times per line, median of `--repeats`: the parse alone, the check as one
 regex (before), and `maybe_nonfinite` (now). With `--against REV` it also times appending the
 same records with `JsonlAppender` (what sample's writer does per tape) from this tree and from
-gsm8kctl/jsonl.py at REV, alternating. Prints a table and writes JSON.
+gsm8kctl/artifacts/jsonl.py at REV, alternating. Prints a table and writes JSON.
 
     python bench/bench_jsonl.py --lines 4096 --out bench-jsonl.json
     python bench/bench_jsonl.py --lines 4096 --against c2ac759 --out bench-jsonl-append.json
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--against", help="a git revision whose JsonlAppender to time beside this tree's")
     a = ap.parse_args()
 
-    from gsm8kctl.jsonl import maybe_nonfinite
+    from gsm8kctl.artifacts.jsonl import maybe_nonfinite
 
     one_regex = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{300}")  # the check before
     rng = random.Random(0)
@@ -69,10 +69,10 @@ def main() -> None:
 def time_appends(lines: list[str], rev: str, repeats: int) -> dict:
     """µs per record appended (serialised and written, fsync every 64 as in use), median of
     `repeats`, this tree and `rev` alternating, each into a fresh file."""
-    import gsm8kctl.jsonl as now
+    import gsm8kctl.artifacts.jsonl as now
     from module_at import module_at
 
-    modules = {"this tree": now, rev: module_at(rev, "gsm8kctl/jsonl.py")}
+    modules = {"this tree": now, rev: module_at(rev, "gsm8kctl/artifacts/jsonl.py")}
     records = [json.loads(line) for line in lines]
     runs: dict[str, list[float]] = {name: [] for name in modules}
     with tempfile.TemporaryDirectory() as tmp:

@@ -92,7 +92,7 @@ def same_tapes(run_a: Path, run_b: Path) -> dict:
     """Per tapes file in both runs: the share of attempts with the same completion tokens and reward.
     On the CPU in float32 the engines agree bit for bit (tests/test_loop.py); on a GPU in bfloat16
     this shows how far the in-place weights refresh and the reloaded checkpoint agree."""
-    from gsm8kctl.jsonl import read_jsonl
+    from gsm8kctl.artifacts.jsonl import read_jsonl
 
     shares = {}
     for tapes in sorted(run_a.glob("*/*/tapes.jsonl")):

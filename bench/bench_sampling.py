@@ -33,8 +33,8 @@ BACKENDS = ("transformers", "vllm", "openai")
 
 def _prompts(tokenizer, n_prompts: int, data_dir: str | None) -> list[list[int]]:
     from gsm8kctl import agent
-    from gsm8kctl.chat import render_prompt
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.artifacts.chat import render_prompt
+    from gsm8kctl.artifacts.data import load_problems
 
     problems = load_problems("test", data_dir)[:n_prompts]
     return [render_prompt(tokenizer, agent.build_messages(p["question"]))[1] for p in problems]
@@ -42,9 +42,9 @@ def _prompts(tokenizer, n_prompts: int, data_dir: str | None) -> list[list[int]]
 
 def run_one(args) -> dict:
     """Measure one backend in this process."""
-    from gsm8kctl.backends import SamplingParams, get_backend
+    from gsm8kctl.sampling.backends import SamplingParams, get_backend
     from gsm8kctl.config import load_config
-    from gsm8kctl.models import resolve_model
+    from gsm8kctl.artifacts.models import resolve_model
 
     cfg = load_config(None, args.overrides)
     cfg["sampling"]["batch_size"] = args.n_prompts * args.n  # transformers: one batch, like the notes
@@ -53,7 +53,7 @@ def run_one(args) -> dict:
     with PeakRSS() as rss:
         t0 = time.perf_counter()
         if args.worker == "openai":
-            from gsm8kctl.serve import VLLMServer
+            from gsm8kctl.loop.serve import VLLMServer
 
             server = VLLMServer(model, cfg=cfg, log_path=Path(tempfile.gettempdir()) / "bench-vllm-server.log")
             server.__enter__()

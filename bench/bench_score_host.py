@@ -6,7 +6,7 @@ On one H200 (2026-12-02, commit 14d38d4), score() ran at 151-185 k scored tokens
 571-720 k for the decoder forward alone; part of the difference was this Python work, which
 runs while the GPU waits (docs/benchmarks.md, "The host side of `score()`"). This times the three host steps of `TransformersBackend.score` on synthetic rows of
 GSM8k's lengths (prompts 120-220 tokens, completions 30-320), for this tree's
-`gsm8kctl/logprobs.py` and, with `--against REV`, for the one at a git revision, side by side
+`gsm8kctl/training/logprobs.py` and, with `--against REV`, for the one at a git revision, side by side
 and alternating, and prints the medians. The log-probs are random numbers of the right shape:
 what is timed is moving them, not computing them.
 """
@@ -26,14 +26,14 @@ sys.path.insert(0, str(REPO))
 
 
 def load_logprobs(rev: str | None):
-    """gsm8kctl/logprobs.py of this tree, or of git revision `rev`, as a module."""
+    """gsm8kctl/training/logprobs.py of this tree, or of git revision `rev`, as a module."""
     if rev is None:
-        import gsm8kctl.logprobs as mod
+        import gsm8kctl.training.trainer.logprobs as mod
 
         return mod
     from module_at import module_at
 
-    return module_at(rev, "gsm8kctl/logprobs.py")
+    return module_at(rev, "gsm8kctl/training/logprobs.py")
 
 
 def cut_rows_per_row(lp, mask, group, out):
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=65536, help="tokens per padded batch (filter.score_token_budget)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--against", help="a git revision whose gsm8kctl/logprobs.py (and per-row cutting) to compare")
+    ap.add_argument("--against", help="a git revision whose gsm8kctl/training/logprobs.py (and per-row cutting) to compare")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rng = random.Random(0)

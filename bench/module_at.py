@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def module_at(rev: str, relpath: str):
-    """`relpath` (e.g. gsm8kctl/jsonl.py) at git revision `rev`, loaded as a module of its own name."""
+    """`relpath` (e.g. gsm8kctl/artifacts/jsonl.py) at git revision `rev`, loaded as a module of its own name."""
     source = subprocess.run(["git", "show", f"{rev}:{relpath}"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
     name = Path(relpath).stem + "_at_rev"

@@ -41,8 +41,8 @@ def main() -> None:
     import torch
 
     from bench_gpu_sampling import gsm8k_like_prompts, random_model
-    from gsm8kctl.backends import fused, llama, slots
-    from gsm8kctl.backends import sampling as sampling_mod
+    from gsm8kctl.sampling.backends import fused, llama, slots
+    from gsm8kctl.sampling.backends import sampling as sampling_mod
 
     if a.sdpa == "default":
         slots.SDPA_BACKENDS = None

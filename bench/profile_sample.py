@@ -11,7 +11,7 @@ draining after the last completion, and close. Prints a table and writes JSON.
         -q -o /tmp/t/tapes.jsonl --n-problems 1024 --attempts 8 --temperature 1.0 --max-tokens 512
     python bench/profile_sample.py --out eval.json -- evaluate --model M --backend transformers -q -o /tmp/e --json
 
-`--no-gate` runs the same command with the host gate (gsm8kctl/hostgate.py) never shut: the
+`--no-gate` runs the same command with the host gate (gsm8kctl/sampling/hostgate.py) never shut: the
 writer thread free-running beside the sampler, as it was before the gate. `--no-overlap` runs
 the slot engine's windows one after the other (the host reads each window's tokens before it
 launches the next), as before overlapped windows. `--sdpa-default` lets torch choose SDPA's
@@ -53,21 +53,21 @@ def main() -> None:
     import gsm8kctl.cli as cli  # typer, our modules; torch not yet
     mark("cli imported")
     if a.no_gate:
-        from gsm8kctl.hostgate import HostGate
+        from gsm8kctl.sampling.hostgate import HostGate
 
         HostGate.held = lambda self: contextlib.nullcontext(self)
         HostGate.released = lambda self: contextlib.nullcontext()
     if a.no_overlap:
         import functools
 
-        from gsm8kctl.backends import slots
+        from gsm8kctl.sampling.backends import slots
 
         slots.SlotEngine.__init__ = functools.partialmethod(slots.SlotEngine.__init__, overlap=False)
     if a.sdpa_default:
-        from gsm8kctl.backends import slots
+        from gsm8kctl.sampling.backends import slots
 
         slots.SDPA_BACKENDS = None
-    from gsm8kctl import attempts
+    from gsm8kctl.sampling import attempts
 
     engine_stats: dict = {}
     opened = attempts.open_backend
@@ -75,7 +75,7 @@ def main() -> None:
     def open_backend(*args, **kwargs):
         import torch  # noqa: F401
         mark("torch imported")
-        import gsm8kctl.backends.transformers as tb  # our backend (transformers itself only if the model needs it)
+        import gsm8kctl.sampling.backends.transformers as tb  # our backend (transformers itself only if the model needs it)
         mark("backend imported")
         run, close = tb.SlotEngine.run, tb.TransformersBackend.close
 

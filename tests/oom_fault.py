@@ -28,7 +28,7 @@ def _fault(where: str, rows: str, times: str):
 
 def _install(where: str, fail) -> None:
     if where == "train":
-        from gsm8kctl import losses
+        from gsm8kctl.training import losses
 
         real_loss = losses.policy_loss
 
@@ -38,7 +38,7 @@ def _install(where: str, fail) -> None:
 
         losses.policy_loss = policy_loss
     elif where in ("score", "sample"):
-        from gsm8kctl.backends.transformers import TransformersBackend
+        from gsm8kctl.sampling.backends.transformers import TransformersBackend
 
         name = "score" if where == "score" else "_decode"
         real = getattr(TransformersBackend, name)
@@ -49,7 +49,7 @@ def _install(where: str, fail) -> None:
 
         setattr(TransformersBackend, name, wrapped)
     elif where == "slots":
-        from gsm8kctl.backends.slots import SlotEngine
+        from gsm8kctl.sampling.backends.slots import SlotEngine
 
         real_init = SlotEngine.__init__
 

@@ -47,7 +47,7 @@ def sample(i: int = 0) -> dict:
 
 
 def our_line(record: dict) -> str:
-    """A line exactly as our writer writes it (gsm8kctl.jsonl.dumps)."""
+    """A line exactly as our writer writes it (gsm8kctl.artifacts.jsonl.dumps)."""
     return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -66,7 +66,7 @@ def _data_rows(split: str, n: int = 3) -> str:
 
 def _sqlite_log(path: Path, rows: int = 400) -> None:
     """A real call log of ours, big enough to span many pages."""
-    from gsm8kctl import llm_calls
+    from gsm8kctl.artifacts import llm_calls
 
     db = llm_calls.open_log(path)
     llm_calls.insert_calls(db, [llm_calls.call_record(
@@ -613,7 +613,7 @@ def test_a_path_error_no_check_foresaw_is_exit_2_naming_the_path(tmp_path, capsy
 
 def test_sample_drops_only_its_own_half_line_and_keeps_a_whole_last_line(tiny_model_dir, tmp_path):
     from conftest import run_cli
-    from gsm8kctl.jsonl import read_jsonl
+    from gsm8kctl.artifacts.jsonl import read_jsonl
 
     common = ["--model", tiny_model_dir, "--backend", "transformers", "--n-problems", "1", "--attempts", "2",
               "--max-tokens", "4", "-q"]
@@ -644,7 +644,7 @@ def test_model_dir_check_passes_real_layouts_and_sees_a_file_change(tiny_model_d
     from safetensors.torch import save_file
 
     from gsm8kctl.errors import UserError
-    from gsm8kctl.models import check_model_dir
+    from gsm8kctl.artifacts.models import check_model_dir
 
     check_model_dir(Path(tiny_model_dir))
     sharded = tmp_path / "sharded"

@@ -22,7 +22,7 @@ from gsm8kctl.browse.calls import MAX_PARENTS, find_llm_calls
 from gsm8kctl.browse.index import Filters, TapeIndex, _parse_head, discover_tape_files
 from gsm8kctl.browse.tokens import bucket, shaded_pieces, token_spans
 from gsm8kctl.errors import UserError
-from gsm8kctl.tapes import outcome
+from gsm8kctl.artifacts.tapes import outcome
 
 BASE = "http://127.0.0.1"
 ID_RE = re.compile(r'<td class="id"><a href="/tapes/[^"]*">([^<]*)</a>')
@@ -74,7 +74,7 @@ def site(tmp_path_factory):
     with open(path, "a", encoding="utf-8") as f:
         for t in (evil, odd):
             f.write(json.dumps(t, ensure_ascii=False) + "\n")
-    from gsm8kctl.llm_calls import call_record, insert_calls, open_log
+    from gsm8kctl.artifacts.llm_calls import call_record, insert_calls, open_log
 
     db = open_log(run / "llm_calls.sqlite")
     insert_calls(db, [call_record(
@@ -468,7 +468,7 @@ def test_llm_calls_search_is_bounded(tmp_path):
 
 
 def test_summary_numbers(site):
-    from gsm8kctl.tapes import pass_at_k
+    from gsm8kctl.artifacts.tapes import pass_at_k
 
     r = site["client"].get("/summary")
     assert r.status_code == 200

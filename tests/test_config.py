@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gsm8kctl import config_schema as schema
+from gsm8kctl.config import schema
 from gsm8kctl.config import default_config, load_config, parse_override, save_config, set_value, validate
 from gsm8kctl.errors import UserError
 
@@ -92,7 +92,7 @@ def test_save_roundtrip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The schema: default.yaml and config_schema.py describe the same keys
+# The schema: default.yaml and config/schema.py describe the same keys
 
 
 def _flat(cfg: dict, prefix: str = "") -> list[str]:
@@ -123,7 +123,7 @@ def test_schema_accepts_default_yaml_exactly():
 
 def test_every_yaml_key_is_commented_or_self_explanatory():
     """default.yaml is what users read: the enumerations it documents are the schema's."""
-    text = (Path(schema.__file__).parent / "configs" / "default.yaml").read_text()
+    text = (Path(schema.__file__).parent / "default.yaml").read_text()
     assert "backend: auto                # auto | transformers | vllm | openai" in text
     for key in ("max_slots", "kv_memory_fraction", "prefill_token_budget", "write_interval_s"):
         assert re.search(rf"^  {key}: .*# ", text, re.M), f"sampling.{key} needs a comment"
@@ -136,7 +136,9 @@ def test_new_sampler_keys():
 
 
 def test_enumerations_agree_with_the_code():
-    from gsm8kctl import agent, backends, losses
+    from gsm8kctl import agent
+    from gsm8kctl.sampling import backends
+    from gsm8kctl.training import losses
     from gsm8kctl.stages import finetune
 
     def choices(tp):
@@ -147,7 +149,7 @@ def test_enumerations_agree_with_the_code():
     assert choices(schema.KLEstimator) == set(losses.KL_ESTIMATORS)
     assert choices(schema.Objective) == set(finetune.OBJECTIVES)
     assert choices(schema.RLAlgo) <= set(finetune.OBJECTIVES)
-    from gsm8kctl import training
+    from gsm8kctl.training import trainer as training
 
     for v in choices(schema.AutoBool):  # finetune.compile's and finetune.packing's parsers accept each
         training._compile_wanted(v, cuda=False)
@@ -444,7 +446,7 @@ def test_validate_a_library_dict():
 
 
 def test_vllm_dtype_auto_is_float32_where_the_cpu_emulates_bfloat16(tmp_path):
-    from gsm8kctl.backends.vllm import engine_dtype, native_bf16_cpu
+    from gsm8kctl.sampling.backends.vllm import engine_dtype, native_bf16_cpu
 
     amx, avx, plain = tmp_path / "amx", tmp_path / "avx", tmp_path / "plain"
     amx.write_text("flags\t\t: fpu sse2 avx2 amx_bf16 amx_tile\n")

@@ -2,7 +2,7 @@
 
 import json
 
-from gsm8kctl.curriculum import choose_problems, next_problems, read_pass_rates, record_pass_rates
+from gsm8kctl.loop.curriculum import choose_problems, next_problems, read_pass_rates, record_pass_rates
 
 
 def _tapes(outcomes: dict[str, list[bool]]) -> list[dict]:

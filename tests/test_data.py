@@ -1,6 +1,6 @@
 import pytest
 
-from gsm8kctl.data import load_problems, select_problems
+from gsm8kctl.artifacts.data import load_problems, select_problems
 from gsm8kctl.errors import UserError
 
 

@@ -19,7 +19,7 @@ from conftest import REPO
 
 KERNEL_CHECK = textwrap.dedent("""
     import json, sys, torch
-    from gsm8kctl.backends.decode_attention import CHUNK, DecodeAttention
+    from gsm8kctl.sampling.backends.decode_attention import CHUNK, DecodeAttention
     def check(slots, max_len, kv_heads, rep, dim, dtype):
         dtype = getattr(torch, dtype)
         torch.manual_seed(0)
@@ -46,7 +46,7 @@ KERNEL_CHECK = textwrap.dedent("""
 ENGINE_CHECK = textwrap.dedent("""
     import json, random, torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from gsm8kctl.backends.slots import Request, SlotEngine
+    from gsm8kctl.sampling.backends.slots import Request, SlotEngine
     torch.manual_seed(0)
     # head_dim 16 (the kernel's smallest), 6 query heads on 2 kv heads; slots longer than a split.
     cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
@@ -112,7 +112,7 @@ def test_slot_engine_with_split_k_gives_the_same_tokens():
 def test_the_backend_refuses_cuda_kernels_off_cuda_before_loading(tmp_path):
     """The transformers backend opened directly (as the in-process engine and scripts do), not
     through a stage: split_k and flash on the CPU fail in one line, before any file is read."""
-    from gsm8kctl.backends import get_backend
+    from gsm8kctl.sampling.backends import get_backend
     from gsm8kctl.config import default_config, set_value
     from gsm8kctl.errors import UserError
 

@@ -9,7 +9,7 @@ import pytest
 
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.samples import read_samples, samples_stats
+from gsm8kctl.artifacts.samples import read_samples, samples_stats
 from gsm8kctl.stages import filter as flt
 
 PROMPT = [1, 2, 3]
@@ -249,7 +249,7 @@ def test_samples_stats():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from gsm8kctl.models import load_tokenizer, resolve_model
+    from gsm8kctl.artifacts.models import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("smollm2-135m"))
 
@@ -263,8 +263,8 @@ def gsm8k_dir():
 
 def test_gold_samples_format_and_tokens(cfg, tokenizer, gsm8k_dir):
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.chat import render_prompt
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.artifacts.chat import render_prompt
+    from gsm8kctl.artifacts.data import load_problems
 
     samples, rep = flt.gold_samples(cfg, split="train", n_problems=3, data_dir=gsm8k_dir, tokenizer=tokenizer)
     assert rep.kept == 3 and [s["id"] for s in samples] == ["gold-train-00000", "gold-train-00001", "gold-train-00002"]
@@ -282,8 +282,8 @@ def test_gold_samples_format_and_tokens(cfg, tokenizer, gsm8k_dir):
 
 
 def test_gold_prompt_is_the_samplers_prompt_with_few_shot(cfg, tokenizer, gsm8k_dir):
-    from gsm8kctl.attempts import prompt_for
-    from gsm8kctl.data import split_problems
+    from gsm8kctl.sampling.attempts import prompt_for
+    from gsm8kctl.artifacts.data import split_problems
 
     cfg["agent"]["few_shot"] = 2
     # The training split, as the sampler sees it: the validation problems are never few-shot examples.
@@ -295,7 +295,7 @@ def test_gold_prompt_is_the_samplers_prompt_with_few_shot(cfg, tokenizer, gsm8k_
 
 
 def test_run_filter_gold(tmp_path, cfg, tokenizer, gsm8k_dir, monkeypatch):
-    monkeypatch.setattr("gsm8kctl.models.load_tokenizer", lambda path: tokenizer)
+    monkeypatch.setattr("gsm8kctl.artifacts.models.load_tokenizer", lambda path: tokenizer)
     out = tmp_path / "gold.jsonl"
     rep = flt.run_filter([], str(out), cfg, gold=True, n_problems=2, data_dir=gsm8k_dir, quiet=True)
     assert rep.kept == 2 and len(read_samples([str(out)])) == 2
@@ -308,7 +308,7 @@ def test_ref_model_through_the_transformers_backend(cfg, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gsm8kctl.logprobs import pad_batch, token_logprobs
+    from gsm8kctl.training.logprobs import pad_batch, token_logprobs
 
     cfg["finetune"]["rl"]["implicit_kl_coef"] = 0.1
     samples, rep = flt.filter_tapes(tapes_fixture()[:4], cfg, mode="all", ref_model=tiny_model_dir,

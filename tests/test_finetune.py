@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gsm8kctl.config import load_config
-from gsm8kctl import rundir, training
+from gsm8kctl.artifacts import rundir
+from gsm8kctl.training import trainer as training
 from gsm8kctl.errors import UserError
 from gsm8kctl.stages import finetune as ft
 
@@ -94,8 +95,8 @@ def test_packed_logprobs_and_gradients_match_padded(tiny_model_dir):
     """Samples end to end with attention per sample = padded rows, in value and gradient (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from gsm8kctl import packing
-    from gsm8kctl.logprobs import pad_batch, token_logprobs
+    from gsm8kctl.training import packing
+    from gsm8kctl.training.logprobs import pad_batch, token_logprobs
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     rows = _samples(n=5, seed=3)
@@ -160,7 +161,7 @@ def test_resolve_objective():
 def _nll(model_dir, samples):
     from transformers import AutoModelForCausalLM
 
-    from gsm8kctl.logprobs import pad_batch, token_logprobs
+    from gsm8kctl.training.logprobs import pad_batch, token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, attn, comp = pad_batch([s["input_ids"][:s["prompt_len"]] for s in samples],
@@ -174,7 +175,7 @@ def test_finetune_lowers_nll_of_its_own_samples(tiny_model_dir, tmp_path, capsys
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.chat import render_prompt
+    from gsm8kctl.artifacts.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

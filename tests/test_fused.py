@@ -16,8 +16,8 @@ from test_decode_attention import _child
 OPS_CHECK = textwrap.dedent("""
     import json, torch
     import torch.nn.functional as F
-    from gsm8kctl.backends import fused
-    from gsm8kctl.backends.llama import _rotate_half
+    from gsm8kctl.sampling.backends import fused
+    from gsm8kctl.sampling.backends.llama import _rotate_half
     torch.manual_seed(0)
     out = {}
     for dtype in (torch.float32, torch.float16):
@@ -55,8 +55,8 @@ OPS_CHECK = textwrap.dedent("""
 
 MODEL_CHECK = textwrap.dedent("""
     import json, sys, torch
-    from gsm8kctl.backends import llama
-    from gsm8kctl.backends.slots import Request, SlotEngine
+    from gsm8kctl.sampling.backends import llama
+    from gsm8kctl.sampling.backends.slots import Request, SlotEngine
     path = sys.argv[1]
     out = {}
     for dtype in (torch.float32, torch.float16):

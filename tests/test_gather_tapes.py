@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import read_jsonl
+from gsm8kctl.artifacts.jsonl import read_jsonl
 from gsm8kctl.stages.gather_tapes import gather_tapes
 from gsm8kctl.stages.stats import tape_stats
-from gsm8kctl.tapes import TAPE_KEYS, outcome
+from gsm8kctl.artifacts.tapes import TAPE_KEYS, outcome
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 
 def our_tape(tid: str, *, correct: bool = True, iteration: int = 1, split: str = "train",
              attempt: int = 0, finish_reason: str = "stop") -> dict:
-    """A tape as `gsm8kctl.tapes.make_tape` writes it (hand-written, no grader involved)."""
+    """A tape as `gsm8kctl.artifacts.tapes.make_tape` writes it (hand-written, no grader involved)."""
     answer = "72" if correct else "70"
     completion = f"In May she sold 48/2 = 24 clips.\nAltogether 48 + 24 = {answer}.\n\\boxed{{{answer}}}"
     return {

@@ -1,4 +1,4 @@
-"""The host gate (gsm8kctl/hostgate.py): a helper thread runs only while the sampler waits on
+"""The host gate (gsm8kctl/sampling/hostgate.py): a helper thread runs only while the sampler waits on
 the device, and never stays shut out once sampling ends or fails."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import random
 import sys
 import threading
 
-from gsm8kctl.backends.base import SamplingParams, completion_seeds
-from gsm8kctl.backends.slots import Request, SlotEngine
-from gsm8kctl.backends.transformers import TransformersBackend
+from gsm8kctl.sampling.backends.base import SamplingParams, completion_seeds
+from gsm8kctl.sampling.backends.slots import Request, SlotEngine
+from gsm8kctl.sampling.backends.transformers import TransformersBackend
 from gsm8kctl.config import load_config
-from gsm8kctl.hostgate import HostGate
+from gsm8kctl.sampling.hostgate import HostGate
 
 
 def _helper(gate: HostGate) -> tuple[threading.Thread, threading.Event]:

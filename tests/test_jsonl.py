@@ -4,7 +4,7 @@ import re
 import pytest
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import JsonlAppender, atomic_write_json, read_jsonl, truncate_partial_line, write_jsonl
+from gsm8kctl.artifacts.jsonl import JsonlAppender, atomic_write_json, read_jsonl, truncate_partial_line, write_jsonl
 
 
 def test_read_reports_file_and_line(tmp_path):
@@ -65,7 +65,7 @@ def test_non_finite_numbers_are_refused_with_their_key(tmp_path, value, key):
 
 def test_large_but_finite_numbers_are_read():
     """Near the bounds of the cheap pre-check: a 300-digit integer, 1e308, 299 digits then a point."""
-    from gsm8kctl.jsonl import loads_strict
+    from gsm8kctl.artifacts.jsonl import loads_strict
 
     assert loads_strict('{"a": %s}' % ("7" * 300), "x")["a"] == int("7" * 300)
     assert loads_strict('{"a": 1e308, "b": %s.5}' % ("1" * 299), "x")["a"] == 1e308
@@ -135,7 +135,7 @@ def test_a_line_cut_by_the_file_size_limit_is_taken_back(tmp_path):
     out = tmp_path / "t.jsonl"
     code = (
         "import resource, signal, sys\n"
-        "from gsm8kctl.jsonl import JsonlAppender\n"
+        "from gsm8kctl.artifacts.jsonl import JsonlAppender\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (10000, 10000))\n"
         "w = JsonlAppender(sys.argv[1])\n"

@@ -1,7 +1,7 @@
 import pytest
 import sqlite_utils
 
-from gsm8kctl import llm_calls
+from gsm8kctl.artifacts import llm_calls
 
 SCHEMA = """CREATE TABLE "llm_calls" (
    "id" TEXT PRIMARY KEY,
@@ -39,7 +39,7 @@ def test_upgrade_from_oldest_schema(tmp_path):
     path = tmp_path / "old.sqlite"
     db = sqlite_utils.Database(path)
     llm_calls.m001_create_llm_calls(db)  # a log made before the created index existed
-    db["_sqlite_migrations"].insert({"migration_set": "gsm8kctl.llm_calls", "name": "m001_create_llm_calls",
+    db["_sqlite_migrations"].insert({"migration_set": "gsm8kctl.artifacts.llm_calls", "name": "m001_create_llm_calls",
                                      "applied_at": "2026-01-01"}, alter=True)
     db["llm_calls"].insert(_record(1))
     db.close()

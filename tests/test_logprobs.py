@@ -1,11 +1,11 @@
-"""Batching and padding for log-probs (gsm8kctl/logprobs.py), and the transformers backend's
+"""Batching and padding for log-probs (gsm8kctl/training/logprobs.py), and the transformers backend's
 score() cutting each chunk's log-probs back into rows."""
 
 import random
 
 import pytest
 
-from gsm8kctl.logprobs import pad_batch, token_budget_batches
+from gsm8kctl.training.logprobs import pad_batch, token_budget_batches
 
 
 def _rows(n: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -42,7 +42,7 @@ def test_token_budget_batches_cover_every_row_once_within_the_budget(packed):
 
 
 def test_transformers_score_cuts_rows_as_one_row_at_a_time(tiny_model_dir):
-    from gsm8kctl.backends import get_backend
+    from gsm8kctl.sampling.backends import get_backend
     from gsm8kctl.config import default_config
 
     prompts, completions = _rows(24, seed=3)
@@ -65,7 +65,7 @@ def test_transformers_score_cuts_rows_as_one_row_at_a_time(tiny_model_dir):
 def test_transformers_score_shares_each_prompt_among_its_completions(tiny_model_dir):
     """5 prompts x 4 completions (one empty): the shared path (each prompt run once, its cache
     repeated) gives each row's log-probs as the row scored alone, in float32."""
-    from gsm8kctl.backends import get_backend
+    from gsm8kctl.sampling.backends import get_backend
     from gsm8kctl.config import default_config
 
     base, _ = _rows(5, seed=4)

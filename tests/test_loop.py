@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli
-from gsm8kctl.jsonl import read_jsonl
-from gsm8kctl.llm_calls import open_readonly
+from gsm8kctl.artifacts.jsonl import read_jsonl
+from gsm8kctl.artifacts.llm_calls import open_readonly
 from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
-from gsm8kctl.curriculum import next_problems, problem_order
-from gsm8kctl.stages.loop import iteration_steps, iteration_warnings
+from gsm8kctl.loop.curriculum import next_problems, problem_order
+from gsm8kctl.loop.driver import iteration_steps, iteration_warnings
 
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
             "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",
@@ -126,7 +126,7 @@ def test_steps_per_iteration_follow_the_data_and_too_many_passes_warn(tiny_model
     assert (row["train_steps"], row["train_passes"], row["train_steps_mode"]) == (15, 5.0, "data")
     assert [r["step"] for r in read_jsonl(run / "finetune" / "metrics.jsonl")] == list(range(1, 16))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000015"
-    from gsm8kctl.rundir import list_checkpoints
+    from gsm8kctl.artifacts.rundir import list_checkpoints
 
     assert [s for s, _ in list_checkpoints(run)] == [15]  # save_checkpoint_steps null: saved at the end only
     assert "iteration 0: 15 optimizer steps of 4 samples on 10 samples = 5 passes (finetune.epochs=5)" in proc.stderr
@@ -212,9 +212,9 @@ def test_guard_on_an_entropy_rise(first, now, fires):
 
 def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, capsys):
     from gsm8kctl.config import load_config
-    from gsm8kctl.rundir import KEEP_MARKER, list_checkpoints, load_state
-    from gsm8kctl.rundir import prune_checkpoints as _prune
-    from gsm8kctl.stages.loop import _Context
+    from gsm8kctl.artifacts.rundir import KEEP_MARKER, list_checkpoints, load_state
+    from gsm8kctl.artifacts.rundir import prune_checkpoints as _prune
+    from gsm8kctl.loop.driver import _Context
 
     run = tmp_path / "run"
     for step in (1, 2, 3):
@@ -568,7 +568,7 @@ def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, referen
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _summary(run_dir) == _summary(reference_run)
     from gsm8kctl.config import load_config
-    from gsm8kctl.data import split_problems
+    from gsm8kctl.artifacts.data import split_problems
 
     # Iteration 0's problems (max_agent_forks 8 / 2 attempts), drawn from what validation leaves.
     pool = [int(p["id"].split("-")[1]) for p in split_problems(load_config(None, ["validation_problems=3"]), "train")]

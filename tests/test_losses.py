@@ -1,11 +1,11 @@
-"""Every objective and option of gsm8kctl.losses against values computed by hand."""
+"""Every objective and option of gsm8kctl.training.losses against values computed by hand."""
 
 import math
 
 import pytest
 import torch
 
-from gsm8kctl import losses
+from gsm8kctl.training import losses
 
 # ---------------------------------------------------------------------------------------------
 # Per-sample: advantages, uniform groups, implicit KL

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
-from gsm8kctl.jsonl import read_jsonl
+from gsm8kctl.artifacts.jsonl import read_jsonl
 
 FAULT = REPO / "tests" / "oom_fault.py"
 FT = ["--steps", "3", "finetune.train_batch_size=8", "finetune.token_budget=8192", "finetune.dtype=float32",
@@ -172,7 +172,7 @@ def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp
 def test_loops_started_together_each_keep_to_their_share():
     """The KV cache is sized from what is free, never beyond this process's share of the GPU less
     what it holds already: the first of two loops at share 0.5 no longer takes the most."""
-    from gsm8kctl.sizes import gpu_share, kv_room
+    from gsm8kctl.config.sizes import gpu_share, kv_room
 
     gib = 2**30
     assert kv_room(free=140 * gib, total=140 * gib, held=0, share=1.0) == 140 * gib  # alone: as before

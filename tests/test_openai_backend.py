@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from gsm8kctl import agent
-from gsm8kctl.backends import SamplingParams, get_backend
-from gsm8kctl.backends.openai import OpenAIBackend, parse_base_urls
-from gsm8kctl.chat import render_prompt
+from gsm8kctl.sampling.backends import SamplingParams, get_backend
+from gsm8kctl.sampling.backends.openai import OpenAIBackend, parse_base_urls
+from gsm8kctl.artifacts.chat import render_prompt
 from gsm8kctl.config import default_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.procs import free_port, group_alive
-from gsm8kctl.serve import ServerProcess, VLLMServer
+from gsm8kctl.loop.serve import ServerProcess, VLLMServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def test_server_dies_with_its_parent(dummy):
     script = textwrap.dedent(f"""
         import sys, time
         from gsm8kctl.procs import free_port
-        from gsm8kctl.serve import ServerProcess
+        from gsm8kctl.loop.serve import ServerProcess
         port = free_port()
         srv = ServerProcess([sys.executable, {str(dummy)!r}, str(port), "1"], port=port, grace_s=1)
         srv.start().wait_ready()
@@ -203,7 +203,7 @@ def servers(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    from gsm8kctl.models import load_tokenizer
+    from gsm8kctl.artifacts.models import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     qs = ["What is 12 plus 30?", "Sam has 4 boxes of 6 pens. How many pens does he have?"]

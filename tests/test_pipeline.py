@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import REPO
-from gsm8kctl.jsonl import read_jsonl
+from gsm8kctl.artifacts.jsonl import read_jsonl
 
 
 def test_shell_pipeline_sample_filter_finetune_then_evaluate(tiny_model_dir, tmp_path):

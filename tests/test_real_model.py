@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from gsm8kctl.jsonl import read_jsonl
+from gsm8kctl.artifacts.jsonl import read_jsonl
 
 pytestmark = pytest.mark.slow
 

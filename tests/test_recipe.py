@@ -10,10 +10,10 @@ import pytest
 
 from conftest import GSM8K_DIR, REPO, run_cli
 from gsm8kctl.config import load_config
-from gsm8kctl.data import split_problems
-from gsm8kctl.jsonl import read_jsonl
-from gsm8kctl.sizes import SIZE_KEYS
-from gsm8kctl.stages.loop import no_signal
+from gsm8kctl.artifacts.data import split_problems
+from gsm8kctl.artifacts.jsonl import read_jsonl
+from gsm8kctl.config.sizes import SIZE_KEYS
+from gsm8kctl.loop.driver import no_signal
 
 # A loop of the tiny model that runs in seconds: the recipe's shape (a warm start, a validation
 # split, the KL to the warm start), sizes cut down.
@@ -171,7 +171,7 @@ def test_control_matches_the_rl_runs_tokens(tmp_path, tiny_model_dir):
     run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *SMALL, "--iterations", "2",
             "stop_without_signal=0", "filter.drop_uniform_groups=false", "finetune.rl.use_advantages=false",
             check=True)
-    from gsm8kctl.stages.control import rl_token_schedule
+    from gsm8kctl.loop.control import rl_token_schedule
 
     _, cumulative = rl_token_schedule(run)
     assert 0 < cumulative[0] < cumulative[1]

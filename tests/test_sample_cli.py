@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from conftest import REPO, run_cli
-from gsm8kctl.jsonl import read_jsonl
-from gsm8kctl.llm_calls import open_readonly
+from gsm8kctl.artifacts.jsonl import read_jsonl
+from gsm8kctl.artifacts.llm_calls import open_readonly
 
 TAPE_KEYS = {"id", "iteration", "split", "problem_id", "attempt", "model", "question", "gold", "steps",
              "answer", "correct", "reward", "finish_reason", "prompt_token_ids", "completion_token_ids",
@@ -40,7 +40,7 @@ def test_sample_writes_tapes_calls_and_config(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.chat import render_prompt
+    from gsm8kctl.artifacts.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert render_prompt(tok, build_messages(t["question"]))[1] == t["prompt_token_ids"]

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from gsm8kctl.backends.base import SamplingParams, completion_seeds
-from gsm8kctl.backends.sampling import choose, uniforms
-from gsm8kctl.backends.slots import Request, SlotEngine, buckets_for, plan_slots
-from gsm8kctl.backends.transformers import TransformersBackend
+from gsm8kctl.sampling.backends.base import SamplingParams, completion_seeds
+from gsm8kctl.sampling.backends.sampling import choose, uniforms
+from gsm8kctl.sampling.backends.slots import Request, SlotEngine, buckets_for, plan_slots
+from gsm8kctl.sampling.backends.transformers import TransformersBackend
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import UserError
 
@@ -198,7 +198,7 @@ def test_choose_follows_the_distribution():
 def test_sdpa_backends_leave_cudnn_out_on_cuda_only():
     """Prefill and scoring forwards run SDPA without cuDNN on CUDA (its plan per new shape cost
     seconds per process on the H200), and the flags come back afterwards."""
-    from gsm8kctl.backends import slots
+    from gsm8kctl.sampling.backends import slots
 
     before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
     with slots.sdpa_backends(torch.device("cuda")):

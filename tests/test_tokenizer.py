@@ -1,4 +1,4 @@
-"""`ChatTokenizer` (gsm8kctl/tokenizer.py) against transformers' tokenizer on the same files.
+"""`ChatTokenizer` (gsm8kctl/artifacts/tokenizer.py) against transformers' tokenizer on the same files.
 
 The prompt ids a sampler sees are the training data's, token for token, so the light tokenizer
 must render and encode exactly as `AutoTokenizer` does.
@@ -11,13 +11,13 @@ import shutil
 
 import pytest
 
-from gsm8kctl.attempts import prompt_for
-from gsm8kctl.chat import render_completion
+from gsm8kctl.sampling.attempts import prompt_for
+from gsm8kctl.artifacts.chat import render_completion
 from gsm8kctl.config import load_config
-from gsm8kctl.data import load_problems
-from gsm8kctl.models import load_tokenizer, stop_token_ids
-from gsm8kctl.models import load_chat_tokenizer
-from gsm8kctl.tokenizer import ChatTokenizer
+from gsm8kctl.artifacts.data import load_problems
+from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
+from gsm8kctl.artifacts.models import load_chat_tokenizer
+from gsm8kctl.artifacts.tokenizer import ChatTokenizer
 
 
 @pytest.mark.parametrize("few_shot", [0, 4])

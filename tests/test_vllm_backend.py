@@ -12,10 +12,10 @@ import time
 import pytest
 
 from gsm8kctl import agent
-from gsm8kctl.backends import SamplingParams, get_backend
-from gsm8kctl.chat import render_prompt
+from gsm8kctl.sampling.backends import SamplingParams, get_backend
+from gsm8kctl.artifacts.chat import render_prompt
 from gsm8kctl.config import default_config
-from gsm8kctl.data import load_problems
+from gsm8kctl.artifacts.data import load_problems
 
 pytestmark = pytest.mark.vllm
 import vllm  # noqa: E402,F401 - make install puts it there; missing must fail, not skip
@@ -176,7 +176,7 @@ def test_many_seeded_prompts(backend):
     CPU, chunked prefill of a seeded request used to kill the engine (see CPU_ENGINE_ARGS). Not
     more: without chunking one step prefills them all, and on a busy 2-core machine a 128-request
     step (~14k tokens) outlasted vLLM's 300 s execute_model timeout, which kills the engine."""
-    from gsm8kctl.data import load_problems
+    from gsm8kctl.artifacts.data import load_problems
 
     problems = load_problems("test")[:8]
     ps = [render_prompt(backend.tokenizer, agent.build_messages(p["question"]))[1] for p in problems]

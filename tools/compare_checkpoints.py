@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:
 def weights(path: str) -> dict:
     from safetensors.torch import load_file
 
-    from gsm8kctl import rundir
+    from gsm8kctl.artifacts import rundir
 
     p = Path(path)
     if not (p / "model.safetensors").exists():

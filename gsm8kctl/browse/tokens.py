@@ -53,7 +53,7 @@ class TokenizerFinder:
             return []
         out: list[Path] = []
         try:
-            from gsm8kctl.models import EMBEDDED, cache_dir
+            from gsm8kctl.artifacts.models import EMBEDDED, cache_dir
 
             if model in EMBEDDED:
                 out.append(cache_dir() / "models" / model)

@@ -1,4 +1,4 @@
-"""`filter`: tapes → training samples (DESIGN.md §7; schema in `gsm8kctl.samples`).
+"""`filter`: tapes → training samples (DESIGN.md §7; schema in `gsm8kctl.artifacts.samples`).
 
 Order of work, per run:
 1. read tapes; drop structurally useless ones (empty completion, a tape id seen twice);
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import write_jsonl
-from gsm8kctl.paths import JSONL_RECORDS, check_output_file, check_replaceable
+from gsm8kctl.artifacts.jsonl import write_jsonl
+from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_replaceable
 from gsm8kctl.progress import console, say
-from gsm8kctl.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
-from gsm8kctl.tapes import check_tape
+from gsm8kctl.artifacts.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
+from gsm8kctl.artifacts.tapes import check_tape
 
 MODES = ("rejection", "all")
 
@@ -101,7 +101,7 @@ def _slim(t: dict) -> dict:
 
 
 def _outcome(t: dict) -> str:
-    from gsm8kctl.tapes import outcome
+    from gsm8kctl.artifacts.tapes import outcome
 
     return outcome(t)
 
@@ -155,16 +155,16 @@ def score_in_chunks(scorer: Scorer, prompts: list[list[int]], completions: list[
 def configured_reference(fcfg: dict) -> str | None:
     """The config's `filter.ref_model` for a filter outside the loop: its `start` (the default)
     names the loop's warm start, which a filter run alone does not have, so it means none."""
-    from gsm8kctl.rundir import START_MODEL
+    from gsm8kctl.artifacts.rundir import START_MODEL
 
     return None if fcfg["ref_model"] == START_MODEL else fcfg["ref_model"]
 
 
 def open_scorer(ref_model: str, ref_backend: str, cfg: dict):
     """The reference model on `ref_backend`, for its `score()` (the loop keeps one open)."""
-    from gsm8kctl.attempts import check_backend_device
-    from gsm8kctl.backends import get_backend
-    from gsm8kctl.models import resolve_model
+    from gsm8kctl.sampling.attempts import check_backend_device
+    from gsm8kctl.sampling.backends import get_backend
+    from gsm8kctl.artifacts.models import resolve_model
 
     check_backend_device(cfg, ref_backend)
     return get_backend(ref_backend, resolve_model(ref_model), cfg)
@@ -229,7 +229,7 @@ def filter_tapes(
         row["group"] = f"i{row['iteration']:04d}/{row['problem_id']}"
         rows.append(row)
 
-    from gsm8kctl import losses  # imports torch (~3 s): not before the tapes are checked
+    from gsm8kctl.training import losses  # imports torch (~3 s): not before the tapes are checked
 
     if estimator not in losses.KL_ESTIMATORS:
         raise UserError(f"finetune.rl.implicit_kl_estimator must be k1 or k3, got '{estimator}'")
@@ -340,9 +340,9 @@ def gold_samples(cfg: dict, *, split: str = "train", model: str | None = None,
     seeded few-shot examples), so warm-start data and sampled data share one format.
     """
     from gsm8kctl.agent import format_gold_solution
-    from gsm8kctl.attempts import prompt_for
-    from gsm8kctl.chat import render_completion
-    from gsm8kctl.data import split_problems
+    from gsm8kctl.sampling.attempts import prompt_for
+    from gsm8kctl.artifacts.chat import render_completion
+    from gsm8kctl.artifacts.data import split_problems
 
     model = model or cfg["model"]
     if n_problems is not None and n_problems < 1:
@@ -354,7 +354,7 @@ def gold_samples(cfg: dict, *, split: str = "train", model: str | None = None,
         problems = problems[:n_problems]
     train = split_problems(cfg, "train") if cfg["agent"]["few_shot"] > 0 else []
     if tokenizer is None:
-        from gsm8kctl.models import load_tokenizer, resolve_model
+        from gsm8kctl.artifacts.models import load_tokenizer, resolve_model
 
         tokenizer = load_tokenizer(resolve_model(model))
     report = FilterReport(mode="gold")
@@ -405,7 +405,7 @@ def run_filter(
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
     check_replaceable(out, option="-o", kind=JSONL_RECORDS)
-    from gsm8kctl.rundir import START_MODEL
+    from gsm8kctl.artifacts.rundir import START_MODEL
 
     if ref_model == START_MODEL:
         raise UserError(f"filter.ref_model '{START_MODEL}' stands for the model a `gsm8kctl loop` started from; "
@@ -413,7 +413,7 @@ def run_filter(
     # The config's `start` (the default) means the loop's warm start; run alone, no reference.
     cfg = {**cfg, "filter": {**cfg["filter"], "ref_model": configured_reference(cfg["filter"])}}
     if ref_model or cfg["filter"]["ref_model"]:
-        from gsm8kctl.models import resolve_model
+        from gsm8kctl.artifacts.models import resolve_model
 
         resolve_model(ref_model or cfg["filter"]["ref_model"])  # an unknown model: refused before any reading
     if gold:

@@ -1,7 +1,7 @@
-"""`finetune`: train the latest checkpoint on training samples (objectives in `gsm8kctl.losses`).
+"""`finetune`: train the latest checkpoint on training samples (objectives in `gsm8kctl.training.losses`).
 
 Layout under OUT (the run directory; the loop passes `runs/NAME`; paths, the checkpoint list,
-`latest`, pruning and the `keep` marker live in `gsm8kctl/rundir.py`):
+`latest`, pruning and the `keep` marker live in `gsm8kctl/artifacts/rundir.py`):
 
     OUT/checkpoints/step-000008/      a Hugging Face model directory, loadable by transformers and
         model.safetensors             vLLM: weights (fp32 master weights: exact resume), config,
@@ -25,7 +25,7 @@ Where training starts: the latest checkpoint in OUT (weights *and* training stat
 over `--init`, and the message says so (the system this replaces silently restarted from the
 base model).
 
-Data phases, steps and the training loop itself are in `gsm8kctl/training.py`.
+Data phases, steps and the training loop itself are in `gsm8kctl/training/trainer.py`.
 
 Multi-process: `num_processes > 1` relaunches this module under `accelerate launch` (CPU: gloo,
 GPU: NCCL) with the process-group timeout from `finetune.nccl_timeout_s`; gradients are
@@ -43,13 +43,13 @@ from pathlib import Path
 from typing import Sequence
 
 from gsm8kctl.errors import StageFailed, UserError
-from gsm8kctl.jsonl import atomic_write_json, write_jsonl
-from gsm8kctl.paths import check_output_dir, is_inside, same_file
+from gsm8kctl.artifacts.jsonl import atomic_write_json, write_jsonl
+from gsm8kctl.artifacts.paths import check_output_dir, is_inside, same_file
 from gsm8kctl.procs import free_port
 from gsm8kctl.progress import say
-from gsm8kctl.rundir import CHECKPOINTS_DIR, FINETUNE_DIR, checkpoint_step, latest_checkpoint
-from gsm8kctl.samples import read_samples
-from gsm8kctl.training import (RESULT_FILE, Trainer, _use_bf16, plan_phase,
+from gsm8kctl.artifacts.rundir import CHECKPOINTS_DIR, FINETUNE_DIR, checkpoint_step, latest_checkpoint
+from gsm8kctl.artifacts.samples import read_samples
+from gsm8kctl.training.trainer import (RESULT_FILE, Trainer, use_bf16, plan_phase,
                                start_state)
 
 LAUNCH_FILE = "launch.json"
@@ -113,7 +113,7 @@ def run_finetune(
     kl = ft["rl"]["kl_coef"]
     samples = load_and_check(samples_paths, start, cfg, objective)
     if not resume:  # a model not ours: one line if transformers cannot read it, before any output
-        from gsm8kctl.models import check_transformers_reads
+        from gsm8kctl.artifacts.models import check_transformers_reads
 
         check_transformers_reads(start)
     if kl != ft["rl"]["kl_coef"]:  # said once every check has passed: a refused run prints one line
@@ -159,7 +159,7 @@ def describe_result(result: dict) -> str | None:
 def check_finetune_config(ft: dict) -> None:
     """The finetune section against the schema once more: a caller from Python may hand over a
     dict that `load_config` never saw, and a bad value must stop before any worker starts."""
-    from gsm8kctl import config_schema as schema
+    from gsm8kctl.config import schema
 
     for key, problem in schema.check_config(ft, schema.Finetune, "finetune."):
         raise UserError(f"config: {key} {problem}")
@@ -167,7 +167,7 @@ def check_finetune_config(ft: dict) -> None:
 
 def resolve_start(out_dir: Path, init: str | None, cfg: dict) -> tuple[str, bool, str]:
     """(model dir to load, resume training state?, message): latest checkpoint > --init > base."""
-    from gsm8kctl.models import resolve_model
+    from gsm8kctl.artifacts.models import resolve_model
 
     ckpt = latest_checkpoint(out_dir)
     if ckpt is not None:
@@ -204,7 +204,7 @@ def load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) 
     log-probs (the caller says so)."""
     ft = cfg["finetune"]
     if Path(start).is_dir():  # a checkpoint resumed from did not go through resolve_model's check
-        from gsm8kctl.models import check_model_dir
+        from gsm8kctl.artifacts.models import check_model_dir
 
         check_model_dir(Path(start))
     vocab = _vocab_size(start)
@@ -248,7 +248,7 @@ def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: boo
             "metrics_path": str(Path(metrics_path).resolve()) if metrics_path else None}
     atomic_write_json(fdir / LAUNCH_FILE, spec)
     (fdir / RESULT_FILE).unlink(missing_ok=True)
-    mp = "bf16" if _use_bf16(cfg["finetune"]["dtype"], torch.cuda.is_available()) else "no"
+    mp = "bf16" if use_bf16(cfg["finetune"]["dtype"], torch.cuda.is_available()) else "no"
     # --multi_gpu selects accelerate's torchrun launcher; without CUDA it runs MULTI_CPU (gloo).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", mp,
@@ -291,7 +291,7 @@ def _worker_main(argv: list[str]) -> int:
 def train(samples: list[dict], out_dir: Path, cfg: dict, *, start: str, resume: bool,
           metrics_path: str | None = None, quiet: bool = False, source: Sequence[str] = (),
           stop_after: int | None = None) -> dict:
-    """Plan the phase, open a Trainer, run it, close it (`gsm8kctl/training.py` has the pieces).
+    """Plan the phase, open a Trainer, run it, close it (`gsm8kctl/training/trainer.py` has the pieces).
 
     One process with nothing left to train returns before the model loads. `stop_after` ends
     after that many optimizer steps, as if killed right after a save (tests of resume use it).

@@ -7,7 +7,7 @@ Reads, by content rather than by file name:
   node, agent, other}, kind, ...}]}`, as `examples/rl_gsm8k` wrote them to
   `tapes/<split>/<iteration>/tapes.json` (also JSONL, or YAML documents).
 
-TapeAgents tapes are mapped into the tape schema of `gsm8kctl.tapes`: the `task` step gives the
+TapeAgents tapes are mapped into the tape schema of `gsm8kctl.artifacts.tapes`: the `task` step gives the
 question (and the gold value in its `metadata.other`, a number or a one-element list),
 `reasoning_thought*` steps the completion, `answer_action` / `final_answer_action` / a `value` on
 the last reasoning step the answer. The completion text is graded by this project's extractors
@@ -36,10 +36,10 @@ from rich.markup import escape
 
 from gsm8kctl import agent
 from gsm8kctl.errors import UserError
-from gsm8kctl.jsonl import write_jsonl
-from gsm8kctl.paths import JSONL_RECORDS, check_output_file, check_replaceable, is_inside
+from gsm8kctl.artifacts.jsonl import write_jsonl
+from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_replaceable, is_inside
 from gsm8kctl.progress import console
-from gsm8kctl.tapes import TAPE_KEYS
+from gsm8kctl.artifacts.tapes import TAPE_KEYS
 
 # What a directory walk reads; files named explicitly are read whatever their name.
 _WALK_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml")

@@ -2,7 +2,7 @@
 
 Resumable: attempts already in the output file are skipped, so rerunning the same command after
 a crash appends only what is missing; an attempt redone after a crash replaces its call instead
-of adding a second one. The work itself is `gsm8kctl.attempts` (`run_attempts`), shared with
+of adding a second one. The work itself is `gsm8kctl.sampling.attempts` (`run_attempts`), shared with
 `evaluate`.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gsm8kctl.attempts import check_calls_db, existing_output, open_backend, run_attempts
-from gsm8kctl.backends import Backend, SamplingParams
+from gsm8kctl.sampling.attempts import check_calls_db, existing_output, open_backend, run_attempts
+from gsm8kctl.sampling.backends import Backend, SamplingParams
 from gsm8kctl.config import save_config
-from gsm8kctl.data import problems_by_id, split_problems
-from gsm8kctl.paths import SAVED_CONFIG, check_output_file, check_replaceable
+from gsm8kctl.artifacts.data import problems_by_id, split_problems
+from gsm8kctl.artifacts.paths import SAVED_CONFIG, check_output_file, check_replaceable
 from gsm8kctl.progress import say
-from gsm8kctl.tapes import LLM_CALLS_FILE
+from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE
 
 
 def sample(cfg: dict, *, out: str, split: str = "train", n_problems: int | None = None,

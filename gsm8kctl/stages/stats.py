@@ -8,7 +8,7 @@ from itertools import chain
 from typing import Iterable, Iterator
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.tapes import check_tape, outcome, pass_at_k
+from gsm8kctl.artifacts.tapes import check_tape, outcome, pass_at_k
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -90,7 +90,7 @@ def file_stats(records: Iterable[dict] | Iterable[tuple[str, dict]]) -> dict:
     UserError naming its line and key, raised once the stream has been read to the end: a JSON
     syntax error further down is reported first, as it says more (not JSONL, or cut mid-write).
     """
-    from gsm8kctl.samples import check_sample, samples_stats
+    from gsm8kctl.artifacts.samples import check_sample, samples_stats
 
     it = iter(records)
     refused: list[UserError] = []
