@@ -32,11 +32,11 @@ def main() -> None:
     import torch
 
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.sampling.backends.base import SamplingParams
-    from gsm8kctl.sampling.backends.transformers import TransformersBackend
     from gsm8kctl.artifacts.chat import render_prompt
     from gsm8kctl.artifacts.data import load_problems
     from gsm8kctl.artifacts.models import resolve_model
+    from gsm8kctl.sampling.backends.base import SamplingParams
+    from gsm8kctl.sampling.backends.transformers import TransformersBackend
 
     path = resolve_model(a.model)
     rows = a.prompts * a.n

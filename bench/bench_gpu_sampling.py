@@ -129,9 +129,9 @@ def part_score(a, work: Path, rows: list) -> None:
 
     import torch
 
-    from gsm8kctl.training.trainer import logprobs
     from gsm8kctl.sampling.backends.base import SamplingParams
     from gsm8kctl.sampling.backends.transformers import TransformersBackend, distinct_prompts
+    from gsm8kctl.training.trainer import logprobs
 
     attempts = a.shape_attempts_135m
     path = random_model("135m", a.tokenizer, work / "rand-135m")
@@ -178,10 +178,10 @@ def part_score(a, work: Path, rows: list) -> None:
 
 def part_parity(a, model: str, work: Path, rows: list, data_dir: str) -> None:
     from gsm8kctl.agent import build_messages
-    from gsm8kctl.sampling.backends.base import SamplingParams
-    from gsm8kctl.sampling.backends.transformers import TransformersBackend
     from gsm8kctl.artifacts.chat import render_prompt
     from gsm8kctl.artifacts.data import load_problems
+    from gsm8kctl.sampling.backends.base import SamplingParams
+    from gsm8kctl.sampling.backends.transformers import TransformersBackend
 
     problems = load_problems("test", data_dir)[:a.parity_problems]
     eng = TransformersBackend(model, cfg_with("transformers.static_cache=true", "sampling.max_slots=32"),

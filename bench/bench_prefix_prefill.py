@@ -35,10 +35,10 @@ def main() -> None:
 
     import torch
 
+    from gsm8kctl.artifacts.models import resolve_model
+    from gsm8kctl.config import load_config
     from gsm8kctl.sampling.backends.base import SamplingParams
     from gsm8kctl.sampling.backends.transformers import TransformersBackend
-    from gsm8kctl.config import load_config
-    from gsm8kctl.artifacts.models import resolve_model
 
     rows_n = a.prompts * a.attempts
     base = gsm8k_like_prompts(a.prompts)

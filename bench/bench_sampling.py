@@ -42,9 +42,9 @@ def _prompts(tokenizer, n_prompts: int, data_dir: str | None) -> list[list[int]]
 
 def run_one(args) -> dict:
     """Measure one backend in this process."""
-    from gsm8kctl.sampling.backends import SamplingParams, get_backend
-    from gsm8kctl.config import load_config
     from gsm8kctl.artifacts.models import resolve_model
+    from gsm8kctl.config import load_config
+    from gsm8kctl.sampling.backends import SamplingParams, get_backend
 
     cfg = load_config(None, args.overrides)
     cfg["sampling"]["batch_size"] = args.n_prompts * args.n  # transformers: one batch, like the notes

@@ -16,9 +16,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from gsm8kctl.artifacts.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, StageFailed, Stopped, UserError
-from gsm8kctl.artifacts.jsonl import STDOUT_NAME, WRITE_ERRNOS, naming
 from gsm8kctl.progress import error_line
 
 app = typer.Typer(
@@ -350,9 +350,9 @@ def control(
     quiet: QuietOpt = False,
 ):
     """The SFT-only control of an RL run: gold solutions for as many tokens as it trained."""
-    from gsm8kctl.progress import say
     from gsm8kctl.loop.control import check_rl_run
     from gsm8kctl.loop.control import control as run
+    from gsm8kctl.progress import say
 
     check_rl_run(like)
     cfg = load_config(like / "config.yaml", overrides or [])  # the RL run's own config

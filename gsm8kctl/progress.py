@@ -93,7 +93,7 @@ WARNINGS_ENV = "GSM8KCTL_WARNINGS_FILE"
 def warn(message: str, quiet: bool = False, *, record: bool = False) -> None:
     """A warning line on stderr. `record`: also a line in the loop's warnings file of this
     iteration (WARNINGS_ENV), when a loop runs this phase."""
-    say(f"warning: {message}", quiet)
+    say(f"warning: {message}", quiet, verbatim=True)  # paths and values may hold [brackets]
     path = os.environ.get(WARNINGS_ENV) if record else None
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -643,8 +643,8 @@ def test_model_dir_check_passes_real_layouts_and_sees_a_file_change(tiny_model_d
     import torch
     from safetensors.torch import save_file
 
-    from gsm8kctl.errors import UserError
     from gsm8kctl.artifacts.models import check_model_dir
+    from gsm8kctl.errors import UserError
 
     check_model_dir(Path(tiny_model_dir))
     sharded = tmp_path / "sharded"

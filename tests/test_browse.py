@@ -17,12 +17,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from browse_fixtures import XSS, fake_tape, make_run, train_tokenizer, write_jsonl
+from gsm8kctl.artifacts.tapes import outcome
 from gsm8kctl.browse.app import create_app
 from gsm8kctl.browse.calls import MAX_PARENTS, find_llm_calls
 from gsm8kctl.browse.index import Filters, TapeIndex, _parse_head, discover_tape_files
 from gsm8kctl.browse.tokens import bucket, shaded_pieces, token_spans
 from gsm8kctl.errors import UserError
-from gsm8kctl.artifacts.tapes import outcome
 
 BASE = "http://127.0.0.1"
 ID_RE = re.compile(r'<td class="id"><a href="/tapes/[^"]*">([^<]*)</a>')

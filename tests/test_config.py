@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gsm8kctl.config import schema
 from gsm8kctl.config import default_config, load_config, parse_override, save_config, set_value, validate
+from gsm8kctl.config import schema
 from gsm8kctl.errors import UserError
 
 ORIGINAL = (
@@ -138,8 +138,8 @@ def test_new_sampler_keys():
 def test_enumerations_agree_with_the_code():
     from gsm8kctl import agent
     from gsm8kctl.sampling import backends
-    from gsm8kctl.training import losses
     from gsm8kctl.stages import finetune
+    from gsm8kctl.training import losses
 
     def choices(tp):
         return set(typing.get_args(schema._split(tp)[0]))

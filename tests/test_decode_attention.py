@@ -112,9 +112,9 @@ def test_slot_engine_with_split_k_gives_the_same_tokens():
 def test_the_backend_refuses_cuda_kernels_off_cuda_before_loading(tmp_path):
     """The transformers backend opened directly (as the in-process engine and scripts do), not
     through a stage: split_k and flash on the CPU fail in one line, before any file is read."""
-    from gsm8kctl.sampling.backends import get_backend
     from gsm8kctl.config import default_config, set_value
     from gsm8kctl.errors import UserError
+    from gsm8kctl.sampling.backends import get_backend
 
     for attention in ("split_k", "flash"):
         cfg = default_config()

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from gsm8kctl.artifacts.samples import read_samples, samples_stats
 from gsm8kctl.config import load_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.artifacts.samples import read_samples, samples_stats
 from gsm8kctl.stages import filter as flt
 
 PROMPT = [1, 2, 3]
@@ -282,8 +282,8 @@ def test_gold_samples_format_and_tokens(cfg, tokenizer, gsm8k_dir):
 
 
 def test_gold_prompt_is_the_samplers_prompt_with_few_shot(cfg, tokenizer, gsm8k_dir):
-    from gsm8kctl.sampling.attempts import prompt_for
     from gsm8kctl.artifacts.data import split_problems
+    from gsm8kctl.sampling.attempts import prompt_for
 
     cfg["agent"]["few_shot"] = 2
     # The training split, as the sampler sees it: the validation problems are never few-shot examples.

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gsm8kctl.config import load_config
 from gsm8kctl.artifacts import rundir
-from gsm8kctl.training import trainer as training
+from gsm8kctl.config import load_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.stages import finetune as ft
+from gsm8kctl.training import trainer as training
 
 TINY = ["finetune.learning_rate=0.01", "finetune.train_batch_size=2", "finetune.gradient_accumulation_passes=2",
         "finetune.token_budget=24", "finetune.save_checkpoint_steps=2", "finetune.logprob_chunk_tokens=16"]

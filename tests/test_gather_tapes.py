@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import read_jsonl
+from gsm8kctl.artifacts.tapes import TAPE_KEYS, outcome
+from gsm8kctl.errors import UserError
 from gsm8kctl.stages.gather_tapes import gather_tapes
 from gsm8kctl.stages.stats import tape_stats
-from gsm8kctl.artifacts.tapes import TAPE_KEYS, outcome
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 

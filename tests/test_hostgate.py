@@ -7,10 +7,10 @@ import random
 import sys
 import threading
 
+from gsm8kctl.config import load_config
 from gsm8kctl.sampling.backends.base import SamplingParams, completion_seeds
 from gsm8kctl.sampling.backends.slots import Request, SlotEngine
 from gsm8kctl.sampling.backends.transformers import TransformersBackend
-from gsm8kctl.config import load_config
 from gsm8kctl.sampling.hostgate import HostGate
 
 

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import JsonlAppender, atomic_write_json, read_jsonl, truncate_partial_line, write_jsonl
+from gsm8kctl.errors import UserError
 
 
 def test_read_reports_file_and_line(tmp_path):

@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 
+from gsm8kctl.config import load_config
+from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.backends import llama
 from gsm8kctl.sampling.backends.base import SamplingParams
 from gsm8kctl.sampling.backends.transformers import TransformersBackend, use_native
-from gsm8kctl.config import load_config
-from gsm8kctl.errors import UserError
 from tests.conftest import run_cli
 
 

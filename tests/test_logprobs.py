@@ -42,8 +42,8 @@ def test_token_budget_batches_cover_every_row_once_within_the_budget(packed):
 
 
 def test_transformers_score_cuts_rows_as_one_row_at_a_time(tiny_model_dir):
-    from gsm8kctl.sampling.backends import get_backend
     from gsm8kctl.config import default_config
+    from gsm8kctl.sampling.backends import get_backend
 
     prompts, completions = _rows(24, seed=3)
     backend = get_backend("transformers", tiny_model_dir, cfg=default_config())
@@ -65,8 +65,8 @@ def test_transformers_score_cuts_rows_as_one_row_at_a_time(tiny_model_dir):
 def test_transformers_score_shares_each_prompt_among_its_completions(tiny_model_dir):
     """5 prompts x 4 completions (one empty): the shared path (each prompt run once, its cache
     repeated) gives each row's log-probs as the row scored alone, in float32."""
-    from gsm8kctl.sampling.backends import get_backend
     from gsm8kctl.config import default_config
+    from gsm8kctl.sampling.backends import get_backend
 
     base, _ = _rows(5, seed=4)
     _, completions = _rows(20, seed=5)

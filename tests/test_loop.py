@@ -15,9 +15,9 @@ import pytest
 from conftest import REPO, run_cli
 from gsm8kctl.artifacts.jsonl import read_jsonl
 from gsm8kctl.artifacts.llm_calls import open_readonly
-from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
 from gsm8kctl.loop.curriculum import next_problems, problem_order
 from gsm8kctl.loop.driver import iteration_steps, iteration_warnings
+from gsm8kctl.procs import STAGE_TOKEN_ENV, live_descendants, live_members, token_processes
 
 TINY_RUN = ["--iterations", "1", "--attempts", "2", "max_agent_forks=8", "eval_limit=3",
             "sampling.max_tokens=6", "evaluation.max_tokens=6", "sampling.batch_size=2",
@@ -211,9 +211,9 @@ def test_guard_on_an_entropy_rise(first, now, fires):
 
 
 def test_best_checkpoint_survives_pruning_and_the_summary_names_it(tmp_path, capsys):
-    from gsm8kctl.config import load_config
     from gsm8kctl.artifacts.rundir import KEEP_MARKER, list_checkpoints, load_state
     from gsm8kctl.artifacts.rundir import prune_checkpoints as _prune
+    from gsm8kctl.config import load_config
     from gsm8kctl.loop.driver import _Context
 
     run = tmp_path / "run"
@@ -567,8 +567,8 @@ def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, referen
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _summary(run_dir) == _summary(reference_run)
-    from gsm8kctl.config import load_config
     from gsm8kctl.artifacts.data import split_problems
+    from gsm8kctl.config import load_config
 
     # Iteration 0's problems (max_agent_forks 8 / 2 attempts), drawn from what validation leaves.
     pool = [int(p["id"].split("-")[1]) for p in split_problems(load_config(None, ["validation_problems=3"]), "train")]

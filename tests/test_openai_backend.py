@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from gsm8kctl import agent
-from gsm8kctl.sampling.backends import SamplingParams, get_backend
-from gsm8kctl.sampling.backends.openai import OpenAIBackend, parse_base_urls
 from gsm8kctl.artifacts.chat import render_prompt
 from gsm8kctl.config import default_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.procs import free_port, group_alive
 from gsm8kctl.loop.serve import ServerProcess, VLLMServer
+from gsm8kctl.procs import free_port, group_alive
+from gsm8kctl.sampling.backends import SamplingParams, get_backend
+from gsm8kctl.sampling.backends.openai import OpenAIBackend, parse_base_urls
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import GSM8K_DIR, REPO, run_cli
-from gsm8kctl.config import load_config
 from gsm8kctl.artifacts.data import split_problems
 from gsm8kctl.artifacts.jsonl import read_jsonl
+from gsm8kctl.config import load_config
 from gsm8kctl.config.sizes import SIZE_KEYS
 from gsm8kctl.loop.driver import no_signal
 

@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
+from gsm8kctl.config import load_config
+from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.backends.base import SamplingParams, completion_seeds
 from gsm8kctl.sampling.backends.sampling import choose, uniforms
 from gsm8kctl.sampling.backends.slots import Request, SlotEngine, buckets_for, plan_slots
 from gsm8kctl.sampling.backends.transformers import TransformersBackend
-from gsm8kctl.config import load_config
-from gsm8kctl.errors import UserError
 
 
 def _backend(model: str, *overrides: str) -> TransformersBackend:

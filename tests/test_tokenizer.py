@@ -11,13 +11,13 @@ import shutil
 
 import pytest
 
-from gsm8kctl.sampling.attempts import prompt_for
 from gsm8kctl.artifacts.chat import render_completion
-from gsm8kctl.config import load_config
 from gsm8kctl.artifacts.data import load_problems
-from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
 from gsm8kctl.artifacts.models import load_chat_tokenizer
+from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
 from gsm8kctl.artifacts.tokenizer import ChatTokenizer
+from gsm8kctl.config import load_config
+from gsm8kctl.sampling.attempts import prompt_for
 
 
 @pytest.mark.parametrize("few_shot", [0, 4])

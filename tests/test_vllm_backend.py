@@ -12,10 +12,10 @@ import time
 import pytest
 
 from gsm8kctl import agent
-from gsm8kctl.sampling.backends import SamplingParams, get_backend
 from gsm8kctl.artifacts.chat import render_prompt
-from gsm8kctl.config import default_config
 from gsm8kctl.artifacts.data import load_problems
+from gsm8kctl.config import default_config
+from gsm8kctl.sampling.backends import SamplingParams, get_backend
 
 pytestmark = pytest.mark.vllm
 import vllm  # noqa: E402,F401 - make install puts it there; missing must fail, not skip

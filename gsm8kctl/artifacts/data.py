@@ -16,9 +16,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from gsm8kctl.agent import parse_gold
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import read_jsonl_located
 from gsm8kctl.artifacts.tapes import shown
+from gsm8kctl.errors import UserError
 
 FILES = ("train", "test")  # GSM8k's own files
 SPLITS = ("train", "validation", "test")  # a run's splits: validation is held out of the train file

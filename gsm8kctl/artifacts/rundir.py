@@ -30,8 +30,8 @@ import os
 import shutil
 from pathlib import Path
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import atomic_write_json, atomic_write_text
+from gsm8kctl.errors import UserError
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"

@@ -23,9 +23,9 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import read_jsonl_located
 from gsm8kctl.artifacts.tapes import is_int_list, is_number, shown
+from gsm8kctl.errors import UserError
 
 SAMPLE_KEYS = (
     "id", "tape_id", "problem_id", "group_id", "iteration", "model", "input_ids", "prompt_len",

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import loads_strict, maybe_nonfinite
 from gsm8kctl.artifacts.rundir import EVAL_DIR, ITERATIONS_DIR
 from gsm8kctl.artifacts.tapes import TAPES_FILE, outcome
+from gsm8kctl.errors import UserError
 
 OUTCOMES = ("correct", "wrong", "unparsable", "overflow")
 SORTS = ("file", "-file", "reward", "-reward", "length", "-length", "problem", "-problem")

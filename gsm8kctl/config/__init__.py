@@ -18,10 +18,10 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from gsm8kctl.artifacts.jsonl import atomic_write_text
 from gsm8kctl.config import schema
 from gsm8kctl.config import sizes
 from gsm8kctl.errors import UserError
-from gsm8kctl.artifacts.jsonl import atomic_write_text
 
 CONFIG_FILE = "config.yaml"
 DEFAULTS_SOURCE = "gsm8kctl/config/default.yaml"

@@ -455,21 +455,7 @@ def check_value(tp: Any, v: Any) -> Any:
         if not isinstance(v, str):
             raise Invalid("must be a string", wrong_type=True)
     elif typing.get_origin(base) is list:
-        if v is None:
-            v = []
-        if isinstance(v, str):  # report_to=tensorboard,wandb on the command line
-            v = [x.strip() for x in v.split(",") if x.strip()]
-        if not isinstance(v, list):
-            raise Invalid(f"must be {describe(base)}", wrong_type=True)
-        (item,) = typing.get_args(base)
-        checked = []
-        for x in v:
-            try:
-                checked.append(check_value(item, x))
-            except Invalid as exc:
-                bad = x if exc.value is _WHOLE else exc.value
-                raise Invalid(f"items {exc}", value=bad, hint=exc.hint) from None
-        v = checked
+        v = _check_list(base, v)
     elif dataclasses.is_dataclass(base):
         raise Invalid("is a section, not a value", wrong_type=True)
     else:  # a schema bug, not a user error
@@ -478,6 +464,25 @@ def check_value(tp: Any, v: Any) -> Any:
         if v is not None:
             m.check(v)
     return v
+
+
+def _check_list(tp: Any, v: Any) -> list:
+    """A list of one item type; a comma-separated string (report_to=tensorboard,wandb) splits."""
+    if v is None:
+        v = []
+    if isinstance(v, str):
+        v = [x.strip() for x in v.split(",") if x.strip()]
+    if not isinstance(v, list):
+        raise Invalid(f"must be {describe(tp)}", wrong_type=True)
+    (item,) = typing.get_args(tp)
+    checked = []
+    for x in v:
+        try:
+            checked.append(check_value(item, x))
+        except Invalid as exc:
+            bad = x if exc.value is _WHOLE else exc.value
+            raise Invalid(f"items {exc}", value=bad, hint=exc.hint) from None
+    return checked
 
 
 UNKNOWN, MISSING = "unknown key", "missing key"

@@ -22,12 +22,12 @@ import math
 import time
 from pathlib import Path
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
-from gsm8kctl.progress import say
 from gsm8kctl.artifacts.rundir import (FINETUNE_DIR, RUN_METRICS_FILE, STATE_FILE, eval_dir, iteration_dir,
                              latest_checkpoint, load_state)
 from gsm8kctl.artifacts.tapes import METRICS_FILE, SAMPLES_FILE
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import say
 
 AT = ("best", "last", "all")
 GOLD_FILE = "gold_samples.jsonl"
@@ -79,9 +79,9 @@ def matched_iterations(rows: list[dict], state: dict, at: str) -> list[int]:
 
 def control(cfg: dict, like: str, out: str, *, at: str = "best", quiet: bool = False) -> list[dict]:
     """`cfg` is the RL run's config (its config.yaml, with any overrides); see the module docstring."""
+    from gsm8kctl.artifacts.paths import check_output_dir
     from gsm8kctl.config import save_config, set_value
     from gsm8kctl.loop.engine import InProcessEngine
-    from gsm8kctl.artifacts.paths import check_output_dir
 
     rl, out_dir = Path(like), Path(out)
     if at not in AT:

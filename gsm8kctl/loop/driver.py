@@ -17,19 +17,19 @@ import os
 import time
 from pathlib import Path
 
-from gsm8kctl.config import CONFIG_FILE, save_config
-from gsm8kctl.loop.curriculum import choose_problems, read_pass_rates, record_pass_rates
-from gsm8kctl.errors import Stopped, UserError
 from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.artifacts.llm_calls import check_log
 from gsm8kctl.artifacts.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
-from gsm8kctl.procs import StageRecord
-from gsm8kctl.progress import WARNINGS_ENV, console, library_output_to, say
 from gsm8kctl.artifacts.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, OUTPUT_LOG_FILE, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE, START_ITERATION,
                              START_MODEL, STATE_FILE, WARMUP_DIR, WARNINGS_FILE, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
                              load_state, mark_keep, save_state, unmark_keep)
-from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
+from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.errors import Stopped, UserError
+from gsm8kctl.loop.curriculum import choose_problems, read_pass_rates, record_pass_rates
+from gsm8kctl.procs import StageRecord
+from gsm8kctl.progress import WARNINGS_ENV, console, library_output_to, say
+from gsm8kctl.stages.stats import tape_stats
 
 # ---------------------------------------------------------------------------------------------
 # What an iteration trains, and the warnings about it

@@ -28,12 +28,12 @@ import os
 import time
 from pathlib import Path
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import read_jsonl
-from gsm8kctl.procs import TALK_FD_ENV, StageRecord, run_stage
-from gsm8kctl.progress import say
 from gsm8kctl.artifacts.rundir import OUTPUT_LOG_FILE
 from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE
+from gsm8kctl.errors import UserError
+from gsm8kctl.procs import TALK_FD_ENV, StageRecord, run_stage
+from gsm8kctl.progress import say
 
 ENGINES = ("auto", "inprocess", "processes")
 
@@ -84,8 +84,8 @@ class ProcessEngine:
     name = "processes"
 
     def __init__(self, cfg: dict, run_dir: Path, state: dict, *, quiet: bool):
-        from gsm8kctl.config import CONFIG_FILE
         from gsm8kctl.artifacts.rundir import save_state
+        from gsm8kctl.config import CONFIG_FILE
 
         self.cfg, self.run_dir, self.state, self.quiet = cfg, run_dir, state, quiet
         self.config_path = str(run_dir / CONFIG_FILE)
@@ -112,8 +112,8 @@ class ProcessEngine:
                                  "--llm-calls", str(self.run_dir / LLM_CALLS_FILE))
             return
         from gsm8kctl.artifacts.data import split_problems
-        from gsm8kctl.stages.evaluate import eval_metrics
         from gsm8kctl.artifacts.tapes import METRICS_FILE, TAPES_FILE
+        from gsm8kctl.stages.evaluate import eval_metrics
 
         ids = [p["id"] for p in split_problems(self.cfg, split)][:limit]
         t0 = time.perf_counter()
@@ -124,8 +124,8 @@ class ProcessEngine:
         seconds = round(time.perf_counter() - t0, 2)
         tapes = list(read_jsonl(out_dir / TAPES_FILE))
         tokens = sum(len(t["completion_token_ids"]) for t in tapes if t.get("iteration", 0) == iteration)
-        from gsm8kctl.sampling.backends import resolve_backend_name
         from gsm8kctl.artifacts.jsonl import atomic_write_json
+        from gsm8kctl.sampling.backends import resolve_backend_name
 
         atomic_write_json(out_dir / METRICS_FILE, eval_metrics(
             out_dir / TAPES_FILE, ids, iteration=iteration, model_label=model,
@@ -148,8 +148,8 @@ class ProcessEngine:
 
     def _sharded(self, phase_dir: Path, tapes_file: Path, ids: list[str], n: int, command) -> None:
         """The phase as N stage processes over shards of `ids`, run side by side, then merged (shards.py)."""
-        from gsm8kctl.loop import shards
         from gsm8kctl.artifacts.jsonl import atomic_write_json
+        from gsm8kctl.loop import shards
 
         parts = shards.split(ids, n)
         d = phase_dir / shards.SHARDS_DIR

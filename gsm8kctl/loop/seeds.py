@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.artifacts.jsonl import atomic_write_json, read_jsonl
 from gsm8kctl.artifacts.paths import OwnFile, check_replaceable
-from gsm8kctl.progress import say
 from gsm8kctl.artifacts.rundir import RUN_METRICS_FILE, load_state
+from gsm8kctl.errors import StageFailed, UserError
+from gsm8kctl.progress import say
 
 SUMMARY_FILE = "seeds.json"
 PLOT_FILE = "seeds.png"

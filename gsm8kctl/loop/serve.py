@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from gsm8kctl.config import setting
+from gsm8kctl.config.sizes import gpu_share
 from gsm8kctl.errors import UserError
 from gsm8kctl.procs import free_port, group_alive, start_supervised
-from gsm8kctl.config.sizes import gpu_share
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEALTH_PATH = "/health"

@@ -19,21 +19,22 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gsm8kctl import agent
 
 from gsm8kctl.artifacts import llm_calls
-from gsm8kctl.sampling.backends import Backend, Completion, SamplingParams, get_backend, resolve_backend_name
 from gsm8kctl.artifacts.chat import render_prompt
 from gsm8kctl.artifacts.data import split_problems
-from gsm8kctl.errors import UserError
-from gsm8kctl.sampling.hostgate import HostGate
 from gsm8kctl.artifacts.jsonl import AppendTarget, JsonlAppender, scan_for_append
 from gsm8kctl.artifacts.models import resolve_model
 from gsm8kctl.artifacts.paths import check_output_file
-from gsm8kctl.progress import Progress, say
 from gsm8kctl.artifacts.tapes import check_tape, make_tape, shown, tape_id
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import Progress, say
+from gsm8kctl.sampling.backends import Backend, Completion, SamplingParams, get_backend, resolve_backend_name
+from gsm8kctl.sampling.hostgate import HostGate
 
 
 # Tapes reach the file in groups: at most this many completions (or `sampling.write_interval_s`) apart.
@@ -123,11 +124,7 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
     if existing is None:
         existing = existing_output(out)
     done = done_attempts(existing, iteration)
-    missing: dict[str, list[int]] = {}
-    for p in problems:
-        todo = [a for a in range(attempts) if (p["id"], a) not in done]
-        if todo:
-            missing[p["id"]] = todo
+    missing = {p["id"]: todo for p in problems if (todo := [a for a in range(attempts) if (p["id"], a) not in done])}
     skipped = len(problems) * attempts - sum(len(v) for v in missing.values())
     if skipped:
         say(f"{out}: {skipped} attempts already there, sampling the {sum(len(v) for v in missing.values())} missing",
@@ -145,54 +142,27 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
     by_id = {p["id"]: p for p in problems}
     # One request per missing attempt, seeded by what identifies it: an attempt redone after a crash
     # draws the same randomness whatever else shares its batch (sampling.py says what that buys).
-    jobs = [(by_id[pid], attempt) for pid, todo in missing.items() for attempt in todo]
-    rendered = {pid: prompt_for(cfg, backend.tokenizer, by_id[pid], pool) for pid in missing}
-    ids_of = {(p["id"], attempt): tape_id(p["id"], iteration, attempt, model_label) for p, attempt in jobs}
-    from gsm8kctl.sampling.backends.sampling import completion_seed  # imports torch: not before the input checks
-
-    # From the seed, the problem, the iteration and the attempt only: not the model's path, which
-    # after a warm start lies inside the run directory, so one seed samples the same tokens anywhere.
-    seeds = None if params.seed is None else [completion_seed(params.seed, p["id"], iteration, a) for p, a in jobs]
+    jobs = _Jobs(cfg=cfg, backend_name=backend.name, params=params, iteration=iteration, model_label=model_label,
+                 calls=bool(calls_db), items=[(by_id[pid], attempt) for pid, todo in missing.items() for attempt in todo],
+                 rendered={pid: prompt_for(cfg, backend.tokenizer, by_id[pid], pool) for pid in missing})
     stats = {"tapes": 0, "tokens": 0, "skipped": skipped}
     if existing is not None:
         existing.repair()  # our own half-written last line goes, a whole one gets its newline
-    with JsonlAppender(out) as writer, Progress(len(jobs), description, quiet, unit="attempts") as bar:
+    gate = HostGate()  # the writer runs while the sampler waits on the GPU (hostgate.py)
+    with JsonlAppender(out) as writer, Progress(len(jobs.items), description, quiet, unit="attempts") as bar:
         def flush(pending: list[tuple[int, Completion]]) -> None:
             """Calls first, then tapes: a tape never points at a call that is not there."""
-            tapes, calls, tokens = [], [], 0
-            now = time.time()
-            for k, comp in pending:
-                gate.wait()  # while the sampler launches GPU work, this thread keeps off the GIL
-                problem, attempt = jobs[k]
-                messages, text, ids = rendered[problem["id"]]
-                tid = ids_of[(problem["id"], attempt)]
-                grade = agent.grade(comp.text, problem["gold"], comp.finish_reason, cfg["agent"]["reward_extractor"])
-                call_id = f"call-{tid}"
-                tapes.append(make_tape(
-                    problem=problem, iteration=iteration, attempt=attempt, model=model_label,
-                    messages=messages, prompt_token_ids=ids, completion_token_ids=comp.token_ids,
-                    logprobs=comp.logprobs, completion_text=comp.text,
-                    finish_reason=comp.finish_reason, grade=grade,
-                    llm_call_id=call_id if calls_db else None))
-                call_params = {**params.as_dict(), "n": 1, "seed": None if seeds is None else seeds[k]}
-                calls.append(llm_calls.call_record(
-                    call_id=call_id, tape_id=tid, backend=backend.name, model=model_label,
-                    messages=messages, prompt_text=text, completion=comp.text,
-                    params=call_params, prompt_tokens=len(ids),
-                    completion_tokens=len(comp.token_ids), latency_s=comp.latency_s,
-                    finish_reason=comp.finish_reason, created=now))
-                tokens += len(comp.token_ids)
+            tapes, calls = jobs.records(pending, gate)
             if calls_db:
                 llm_calls.insert_calls(calls_log(), calls)
             for tape in tapes:
                 gate.wait()
                 writer.write(tape)
+            tokens = sum(len(comp.token_ids) for _, comp in pending)
             stats["tapes"] += len(tapes)
             stats["tokens"] += tokens
             bar.advance(len(pending), tokens)
 
-        prompts = [rendered[p["id"]][2] for p, _ in jobs]
-        gate = HostGate()  # the writer runs while the sampler waits on the GPU (hostgate.py)
         with ThreadPoolExecutor(max_workers=1) as writer_thread:
             writes: list = []
 
@@ -202,33 +172,7 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
                     writes.pop(0).result()  # a failed write stops sampling now
 
             try:
-                if hasattr(backend, "generate_iter"):
-                    # One continuous batch over every attempt; tapes are written as completions
-                    # finish, by the writer thread (in order), so grading and JSON never stall the
-                    # GPU; on CUDA the backend lets the writer run only while it waits on the device.
-                    call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                                          max_tokens=params.max_tokens, seed=params.seed, seeds=seeds)
-                    pending: list[tuple[int, Completion]] = []
-                    every_s = cfg["sampling"]["write_interval_s"]
-                    last = time.perf_counter()
-                    completions = backend.generate_iter(prompts, call, gate=gate)
-                    try:
-                        for k, _, comp in completions:
-                            pending.append((k, comp))
-                            if len(pending) >= FLUSH_EVERY or time.perf_counter() - last >= every_s:
-                                write(pending)
-                                pending, last = [], time.perf_counter()
-                    finally:
-                        completions.close()  # opens the gate now, even on an error: the writer must drain
-                    write(pending)
-                else:
-                    for start in range(0, len(jobs), REQUESTS_PER_CALL):
-                        part = range(start, min(start + REQUESTS_PER_CALL, len(jobs)))
-                        call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                                              max_tokens=params.max_tokens, seed=params.seed,
-                                              seeds=None if seeds is None else [seeds[k] for k in part])
-                        results = backend.generate([prompts[k] for k in part], call)
-                        write([(k, r[0]) for k, r in zip(part, results)])
+                _sample_all(backend, jobs, gate, write, cfg["sampling"]["write_interval_s"])
                 for w in writes:
                     w.result()
             finally:
@@ -236,3 +180,89 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
         stats["tokens_per_s"] = round(bar.tokens_per_s, 1)
         stats["seconds"] = round(time.perf_counter() - bar.start, 2)
     return stats
+
+
+@dataclass
+class _Jobs:
+    """The attempts one `run_attempts` samples: (problem, attempt) in order, each problem's
+    rendered prompt, and what makes their tapes and call records."""
+    cfg: dict
+    backend_name: str
+    params: SamplingParams
+    iteration: int
+    model_label: str
+    calls: bool
+    items: list[tuple[dict, int]]
+    rendered: dict[str, tuple]
+    seeds: list[int] | None = field(init=False)
+
+    def __post_init__(self):
+        from gsm8kctl.sampling.backends.sampling import completion_seed  # imports torch: not before the input checks
+
+        # From the seed, the problem, the iteration and the attempt only: not the model's path, which
+        # after a warm start lies inside the run directory, so one seed samples the same tokens anywhere.
+        seed = self.params.seed
+        self.seeds = None if seed is None else [completion_seed(seed, p["id"], self.iteration, a)
+                                                for p, a in self.items]
+
+    def prompts(self) -> list[list[int]]:
+        return [self.rendered[p["id"]][2] for p, _ in self.items]
+
+    def call_params(self, part: range | None = None) -> SamplingParams:
+        """One request per attempt (n=1), each with its own seed."""
+        p = self.params
+        seeds = self.seeds if self.seeds is None or part is None else [self.seeds[k] for k in part]
+        return SamplingParams(n=1, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens, seed=p.seed,
+                              seeds=seeds)
+
+    def records(self, pending: list[tuple[int, Completion]], gate: HostGate) -> tuple[list[dict], list[dict]]:
+        """The tapes and LLM-call records of finished attempts (by their index in `items`)."""
+        tapes, calls = [], []
+        now = time.time()
+        for k, comp in pending:
+            gate.wait()  # while the sampler launches GPU work, this thread keeps off the GIL
+            problem, attempt = self.items[k]
+            messages, text, ids = self.rendered[problem["id"]]
+            tid = tape_id(problem["id"], self.iteration, attempt, self.model_label)
+            grade = agent.grade(comp.text, problem["gold"], comp.finish_reason, self.cfg["agent"]["reward_extractor"])
+            call_id = f"call-{tid}"
+            tapes.append(make_tape(
+                problem=problem, iteration=self.iteration, attempt=attempt, model=self.model_label,
+                messages=messages, prompt_token_ids=ids, completion_token_ids=comp.token_ids,
+                logprobs=comp.logprobs, completion_text=comp.text,
+                finish_reason=comp.finish_reason, grade=grade,
+                llm_call_id=call_id if self.calls else None))
+            call_params = {**self.params.as_dict(), "n": 1, "seed": None if self.seeds is None else self.seeds[k]}
+            calls.append(llm_calls.call_record(
+                call_id=call_id, tape_id=tid, backend=self.backend_name, model=self.model_label,
+                messages=messages, prompt_text=text, completion=comp.text,
+                params=call_params, prompt_tokens=len(ids),
+                completion_tokens=len(comp.token_ids), latency_s=comp.latency_s,
+                finish_reason=comp.finish_reason, created=now))
+        return tapes, calls
+
+
+def _sample_all(backend: Backend, jobs: _Jobs, gate: HostGate, write, every_s: float) -> None:
+    """Sample every job, handing finished (index, completion) batches to `write`."""
+    prompts = jobs.prompts()
+    if hasattr(backend, "generate_iter"):
+        # One continuous batch over every attempt; tapes are written as completions finish, by
+        # the writer thread (in order), so grading and JSON never stall the GPU; on CUDA the
+        # backend lets the writer run only while it waits on the device.
+        pending: list[tuple[int, Completion]] = []
+        last = time.perf_counter()
+        completions = backend.generate_iter(prompts, jobs.call_params(), gate=gate)
+        try:
+            for k, _, comp in completions:
+                pending.append((k, comp))
+                if len(pending) >= FLUSH_EVERY or time.perf_counter() - last >= every_s:
+                    write(pending)
+                    pending, last = [], time.perf_counter()
+        finally:
+            completions.close()  # opens the gate now, even on an error: the writer must drain
+        write(pending)
+        return
+    for start in range(0, len(prompts), REQUESTS_PER_CALL):
+        part = range(start, min(start + REQUESTS_PER_CALL, len(prompts)))
+        results = backend.generate([prompts[k] for k in part], jobs.call_params(part))
+        write([(k, r[0]) for k, r in zip(part, results)])

@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gsm8kctl.sampling.attempts import check_calls_db, existing_output, open_backend, run_attempts
-from gsm8kctl.sampling.backends import Backend, SamplingParams
-from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.artifacts.data import problems_by_id, split_problems
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import atomic_write_json, read_jsonl
 from gsm8kctl.artifacts.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
-from gsm8kctl.progress import say
-from gsm8kctl.stages.stats import tape_stats
 from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
+from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import say
+from gsm8kctl.sampling.attempts import check_calls_db, existing_output, open_backend, run_attempts
+from gsm8kctl.sampling.backends import Backend, SamplingParams
+from gsm8kctl.stages.stats import tape_stats
 
 
 def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = "test",

@@ -25,12 +25,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import write_jsonl
 from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_replaceable
-from gsm8kctl.progress import console, say
 from gsm8kctl.artifacts.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
 from gsm8kctl.artifacts.tapes import check_tape
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import console, say
 
 MODES = ("rejection", "all")
 
@@ -162,9 +162,9 @@ def configured_reference(fcfg: dict) -> str | None:
 
 def open_scorer(ref_model: str, ref_backend: str, cfg: dict):
     """The reference model on `ref_backend`, for its `score()` (the loop keeps one open)."""
+    from gsm8kctl.artifacts.models import resolve_model
     from gsm8kctl.sampling.attempts import check_backend_device
     from gsm8kctl.sampling.backends import get_backend
-    from gsm8kctl.artifacts.models import resolve_model
 
     check_backend_device(cfg, ref_backend)
     return get_backend(ref_backend, resolve_model(ref_model), cfg)
@@ -209,25 +209,7 @@ def filter_tapes(
         raise UserError("finetune.rl.implicit_kl_coef > 0 needs a reference model: pass --ref-model")
     report = FilterReport(mode=mode, uniform_dropped=bool(drop_uniform_groups))
 
-    # --- read ------------------------------------------------------------------------------
-    rows: list[dict] = []
-    seen_ids: set[str] = set()
-    for item in tapes:
-        where, t = item if isinstance(item, tuple) else ("<tapes>", check_tape(item, "<tapes>", tokens=True))
-        report.tapes += 1
-        if t["id"] in seen_ids:
-            report.dropped["duplicate tape id"] += 1
-            continue
-        seen_ids.add(t["id"])
-        if not t["completion_token_ids"]:
-            report.dropped["empty completion"] += 1
-            continue
-        if kl_coef and t.get("logprobs") is None:
-            raise UserError(f"{where}: tape {t['id']} has no sampler logprobs; the implicit KL "
-                            "needs them (sample with a backend that returns logprobs)")
-        row = _slim(t)
-        row["group"] = f"i{row['iteration']:04d}/{row['problem_id']}"
-        rows.append(row)
+    rows = _read_rows(tapes, report, need_logprobs=bool(kl_coef))
 
     from gsm8kctl.training import losses  # imports torch (~3 s): not before the tapes are checked
 
@@ -257,31 +239,8 @@ def filter_tapes(
         report.uniform_groups = len(uniform)
         report.uniform_all_correct = len({r["group"] for r in rows if r["group"] in uniform and r["reward"] > 0})
 
-        # --- keep / drop -------------------------------------------------------------------
-        kept: list[dict] = []
-        seen_completions: set[tuple] = set()
-        per_problem: Counter = Counter()
-        for r, adv in zip(rows, advantages):
-            r["advantage"] = adv
-            if drop_uniform_groups and r["group"] in uniform:
-                report.dropped["uniform group"] += 1
-                continue
-            if mode == "rejection" and r["reward"] <= 0:
-                report.dropped[f"not rewarded ({r['outcome']})"] += 1
-                continue
-            if r["reward"] > 0 and (mode == "rejection" or fcfg["drop_duplicate_correct"]):
-                # The advantage was computed over the whole group first: a dropped copy still
-                # counted towards its siblings' baseline.
-                key = (r["problem_id"], tuple(r["completion"]))
-                if key in seen_completions:
-                    report.dropped["duplicate completion"] += 1
-                    continue
-                seen_completions.add(key)
-            if max_per_problem is not None and per_problem[r["problem_id"]] >= max_per_problem:
-                report.dropped[f"over max_per_problem={max_per_problem}"] += 1
-                continue
-            per_problem[r["problem_id"]] += 1
-            kept.append(r)
+        kept = _keep(rows, advantages, uniform, report, mode=mode, drop_uniform_groups=drop_uniform_groups,
+                     drop_duplicate_correct=fcfg["drop_duplicate_correct"], max_per_problem=max_per_problem)
 
         # Explicit KL in finetune needs reference log-probs of the kept samples only.
         if scorer is not None and not kl_coef:
@@ -294,6 +253,60 @@ def filter_tapes(
     samples = [_to_sample(r, r["advantage"] if use_adv else r["shaped"]) for r in kept]
     report.kept = len(samples)
     return samples, report
+
+
+def _read_rows(tapes: Iterable[dict | tuple[str, dict]], report: FilterReport, *, need_logprobs: bool) -> list[dict]:
+    """The tapes as slim rows with their group (iteration and problem); a repeated tape id or an
+    empty completion is dropped (and counted)."""
+    rows: list[dict] = []
+    seen_ids: set[str] = set()
+    for item in tapes:
+        where, t = item if isinstance(item, tuple) else ("<tapes>", check_tape(item, "<tapes>", tokens=True))
+        report.tapes += 1
+        if t["id"] in seen_ids:
+            report.dropped["duplicate tape id"] += 1
+            continue
+        seen_ids.add(t["id"])
+        if not t["completion_token_ids"]:
+            report.dropped["empty completion"] += 1
+            continue
+        if need_logprobs and t.get("logprobs") is None:
+            raise UserError(f"{where}: tape {t['id']} has no sampler logprobs; the implicit KL "
+                            "needs them (sample with a backend that returns logprobs)")
+        row = _slim(t)
+        row["group"] = f"i{row['iteration']:04d}/{row['problem_id']}"
+        rows.append(row)
+    return rows
+
+
+def _keep(rows: list[dict], advantages: list[float], uniform: set, report: FilterReport, *, mode: str,
+          drop_uniform_groups: bool, drop_duplicate_correct: bool, max_per_problem: int | None) -> list[dict]:
+    """The rows that become samples, each with its advantage; what is dropped is counted by why."""
+    kept: list[dict] = []
+    seen_completions: set[tuple] = set()
+    per_problem: Counter = Counter()
+    for r, adv in zip(rows, advantages):
+        r["advantage"] = adv
+        if drop_uniform_groups and r["group"] in uniform:
+            report.dropped["uniform group"] += 1
+            continue
+        if mode == "rejection" and r["reward"] <= 0:
+            report.dropped[f"not rewarded ({r['outcome']})"] += 1
+            continue
+        if r["reward"] > 0 and (mode == "rejection" or drop_duplicate_correct):
+            # The advantage was computed over the whole group first: a dropped copy still
+            # counted towards its siblings' baseline.
+            key = (r["problem_id"], tuple(r["completion"]))
+            if key in seen_completions:
+                report.dropped["duplicate completion"] += 1
+                continue
+            seen_completions.add(key)
+        if max_per_problem is not None and per_problem[r["problem_id"]] >= max_per_problem:
+            report.dropped[f"over max_per_problem={max_per_problem}"] += 1
+            continue
+        per_problem[r["problem_id"]] += 1
+        kept.append(r)
+    return kept
 
 
 def _score(rows: list[dict], scorer: Scorer, token_budget: int, report: FilterReport) -> None:
@@ -340,9 +353,9 @@ def gold_samples(cfg: dict, *, split: str = "train", model: str | None = None,
     seeded few-shot examples), so warm-start data and sampled data share one format.
     """
     from gsm8kctl.agent import format_gold_solution
-    from gsm8kctl.sampling.attempts import prompt_for
     from gsm8kctl.artifacts.chat import render_completion
     from gsm8kctl.artifacts.data import split_problems
+    from gsm8kctl.sampling.attempts import prompt_for
 
     model = model or cfg["model"]
     if n_problems is not None and n_problems < 1:

@@ -42,13 +42,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.artifacts.jsonl import atomic_write_json, write_jsonl
 from gsm8kctl.artifacts.paths import check_output_dir, is_inside, same_file
-from gsm8kctl.procs import free_port
-from gsm8kctl.progress import say
 from gsm8kctl.artifacts.rundir import CHECKPOINTS_DIR, FINETUNE_DIR, checkpoint_step, latest_checkpoint
 from gsm8kctl.artifacts.samples import read_samples
+from gsm8kctl.errors import StageFailed, UserError
+from gsm8kctl.procs import free_port
+from gsm8kctl.progress import say
 from gsm8kctl.training.trainer import (RESULT_FILE, Trainer, use_bf16, plan_phase,
                                start_state)
 

@@ -35,11 +35,12 @@ from typing import Any, BinaryIO, Callable, Iterator
 from rich.markup import escape
 
 from gsm8kctl import agent
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import write_jsonl
 from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_replaceable, is_inside
-from gsm8kctl.progress import console
 from gsm8kctl.artifacts.tapes import TAPE_KEYS
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import console
+from gsm8kctl.progress import warn as progress_warn
 
 # What a directory walk reads; files named explicitly are read whatever their name.
 _WALK_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml")
@@ -67,6 +68,11 @@ class SourceCount:
     ignored: int = 0  # readable files without tapes (samples.jsonl, stats.json, config.yaml...)
     layouts: Counter = field(default_factory=Counter)
 
+    def as_dict(self) -> dict:
+        return {"source": self.source, "files": self.files, "tapes": self.tapes, "written": self.written,
+                "duplicates": self.duplicates, "skipped": self.skipped, "ignored": self.ignored,
+                "layouts": dict(self.layouts)}
+
 
 def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
     """Read every tape under `sources`, write the unique ones to `out` (`-` = stdout).
@@ -75,19 +81,12 @@ def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
     [{"path", "reason"}], "ignored": [paths]}`. A file that cannot be read is skipped with a
     warning naming it; if no tape at all could be read, nothing is written and UserError is raised.
     """
-    if not sources:
-        raise UserError("gather-tapes needs at least one source file or directory")
-    if sources.count("-") > 1:
-        raise UserError("'-' (stdin) can be given only once")
-    for s in sources:
-        if s != "-" and not Path(s).exists():
-            raise UserError(f"{s}: no such file or directory")
+    _check_sources(sources)
     _check_out(out, sources)
     out_resolved = None if out == "-" else Path(out).resolve()
 
     def warn(message: str) -> None:
-        if not quiet:
-            console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        progress_warn(message, quiet)
 
     counts = [SourceCount(s) for s in sources]
     skipped: list[dict] = []
@@ -137,29 +136,39 @@ def gather_tapes(sources: list[str], out: str, *, quiet: bool = False) -> dict:
         if status is not None:
             status.stop()
     if first is None:
-        detail = []
-        if skipped:
-            detail.append(f"{len(skipped)} unreadable file(s) skipped")
-        if ignored:
-            detail.append(f"{len(ignored)} file(s) without tapes")
-        more = f" ({', '.join(detail)})" if detail else ""
-        raise UserError(f"no tapes found in {', '.join(sources)}{more}")
+        raise UserError(_nothing_found(sources, skipped, ignored))
     result = {
         "out": out,
         "written": written,
         "duplicates": sum(c.duplicates for c in counts),
-        "sources": [
-            {"source": c.source, "files": c.files, "tapes": c.tapes, "written": c.written,
-             "duplicates": c.duplicates, "skipped": c.skipped, "ignored": c.ignored,
-             "layouts": dict(c.layouts)}
-            for c in counts
-        ],
+        "sources": [c.as_dict() for c in counts],
         "skipped": skipped,
         "ignored": ignored,
     }
     if not quiet:
         _report(result)
     return result
+
+
+
+def _check_sources(sources: list[str]) -> None:
+    if not sources:
+        raise UserError("gather-tapes needs at least one source file or directory")
+    if sources.count("-") > 1:
+        raise UserError("'-' (stdin) can be given only once")
+    for s in sources:
+        if s != "-" and not Path(s).exists():
+            raise UserError(f"{s}: no such file or directory")
+
+
+def _nothing_found(sources: list[str], skipped: list[dict], ignored: list[str]) -> str:
+    detail = []
+    if skipped:
+        detail.append(f"{len(skipped)} unreadable file(s) skipped")
+    if ignored:
+        detail.append(f"{len(ignored)} file(s) without tapes")
+    more = f" ({', '.join(detail)})" if detail else ""
+    return f"no tapes found in {', '.join(sources)}{more}"
 
 
 def _check_out(out: str, sources: list[str]) -> None:
@@ -464,36 +473,52 @@ def _reward_from_result(result: Any) -> tuple[float | None, bool | None]:
     return reward, correct
 
 
+@dataclass
+class _TapeAgentsSteps:
+    """What a TapeAgents tape's steps say: the question, the answer's value, whether parsing
+    failed, the steps in our schema and the completion text to grade."""
+    question: str | None = None
+    other: dict = field(default_factory=dict)
+    value: Any = None
+    parse_failed: bool = False
+    steps: list[dict] = field(default_factory=list)
+    completion_parts: list[str] = field(default_factory=list)
+
+
+def _read_tapeagents_steps(raw_steps: list[dict]) -> _TapeAgentsSteps:
+    out = _TapeAgentsSteps()
+    for s in raw_steps:
+        kind = s.get("kind")
+        smeta = s.get("metadata") if isinstance(s.get("metadata"), dict) else {}
+        if kind in _TASK_KINDS and out.question is None:
+            out.question = str(s.get("task", ""))
+            out.other = smeta.get("other") if isinstance(smeta.get("other"), dict) else {}
+            out.steps.append({"kind": "question", "text": out.question})
+        elif kind in _REASONING_KINDS:
+            text = str(s.get("reasoning", ""))
+            out.completion_parts.append(text)
+            out.steps.append({"kind": "reasoning", "text": text, "llm_call_id": smeta.get("prompt_id") or None})
+            if "value" in s:
+                out.value = s["value"]
+        elif kind in _ANSWER_KINDS:
+            out.value = s.get("value", s.get("text"))
+            out.steps.append({"kind": "answer", "text": _num_text(out.value) or str(s.get("text", ""))})
+            if s.get("text") is not None:
+                out.completion_parts.append(str(s["text"]))  # "Natalia sold 72 clips." is graded too
+        else:
+            if kind in _FAILURE_KINDS:
+                out.parse_failed = True
+            out.steps.append(s)  # unknown kinds verbatim
+    return out
+
+
 def _from_tapeagents(v: dict, hint: dict, attempts: Counter) -> dict:
     meta = v["metadata"]
     result = meta.get("result")
     result_dict = result if isinstance(result, dict) else {}
-    question, other, value, parse_failed = None, {}, None, False
-    steps: list[dict] = []
-    completion_parts: list[str] = []
-    for s in v["steps"]:
-        kind = s.get("kind")
-        smeta = s.get("metadata") if isinstance(s.get("metadata"), dict) else {}
-        if kind in _TASK_KINDS and question is None:
-            question = str(s.get("task", ""))
-            other = smeta.get("other") if isinstance(smeta.get("other"), dict) else {}
-            steps.append({"kind": "question", "text": question})
-        elif kind in _REASONING_KINDS:
-            text = str(s.get("reasoning", ""))
-            completion_parts.append(text)
-            steps.append({"kind": "reasoning", "text": text,
-                          "llm_call_id": smeta.get("prompt_id") or None})
-            if "value" in s:
-                value = s["value"]
-        elif kind in _ANSWER_KINDS:
-            value = s.get("value", s.get("text"))
-            steps.append({"kind": "answer", "text": _num_text(value) or str(s.get("text", ""))})
-            if s.get("text") is not None:
-                completion_parts.append(str(s["text"]))  # "Natalia sold 72 clips." is graded too
-        else:
-            if kind in _FAILURE_KINDS:
-                parse_failed = True
-            steps.append(s)  # unknown kinds verbatim
+    read = _read_tapeagents_steps(v["steps"])
+    question, other, value, parse_failed = read.question, read.other, read.value, read.parse_failed
+    steps, completion_parts = read.steps, read.completion_parts
     if question is None:
         question = str(result_dict.get("question", "")) or None
     gold = _gold_of(other, result_dict)

@@ -7,8 +7,8 @@ from collections import Counter, defaultdict
 from itertools import chain
 from typing import Iterable, Iterator
 
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.tapes import check_tape, outcome, pass_at_k
+from gsm8kctl.errors import UserError
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Sequence
 
 from gsm8kctl import oom
-from gsm8kctl.config import save_config
-from gsm8kctl.errors import UserError
 from gsm8kctl.artifacts.jsonl import JsonlAppender, atomic_write_json, read_jsonl, write_jsonl
-from gsm8kctl.progress import console, say
 from gsm8kctl.artifacts.rundir import (FINETUNE_DIR, OPTIMIZER_FILE, TRAINING_STATE_DIR, TRAINING_STATE_FILE, checkpoint_tmp,
                              checkpoint_dir, latest_checkpoint, publish_checkpoint, training_state)
 from gsm8kctl.artifacts.samples import samples_stats, stats_table
+from gsm8kctl.config import save_config
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import console, say
 
 METRICS_FILE = "metrics.jsonl"
 DATASET_STATS_FILE = "dataset_stats.jsonl"
@@ -279,11 +279,10 @@ class Trainer:
         import torch
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs, set_seed
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from gsm8kctl.artifacts.models import load_tokenizer
         from gsm8kctl.training import packing
-        from gsm8kctl.artifacts.models import check_transformers_reads, load_tokenizer
 
         ft = cfg["finetune"]
         self.out_dir = Path(out_dir)
@@ -321,24 +320,7 @@ class Trainer:
         self.phase = state["phase"] if state else None
         self.saved_global_batch = state.get("global_batch") if state else None
 
-        # Model and tokenizer. fp32 master weights always; bf16 only inside autocast.
-        check_transformers_reads(start)
-        self.lm = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
-        self.lm.config.use_cache = False
-        if ft["gradient_checkpointing"]:
-            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.compiled = _compile_wanted(ft["compile"], self.cuda)
-        if self.compiled:
-            # Compiling each decoder layer fuses norms, rotary and activations: on one H200
-            # (2026-11-29) the 1.5B shape went from 36k to 50k tokens/s and from 132 to 94 GB at
-            # batch 32 x 1024.
-            # Layers compile in place, so state-dict names (and saved checkpoints) are unchanged.
-            layers = getattr(self.lm.get_decoder(), "layers", None)
-            if layers is None:
-                say("warning: finetune.compile: this model has no decoder.layers; running eagerly")
-            else:
-                for layer in layers:
-                    layer.compile()
+        self.lm = self._load_model(start, ft)
         # Packed micro-batches (gsm8kctl/training/packing.py): flash varlen attention on CUDA in bf16,
         # causal SDPA per sample elsewhere.
         self.packed = _packing_wanted(ft["packing"], self.cuda)
@@ -358,14 +340,46 @@ class Trainer:
         )
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if resume:
-            sdir = Path(start) / TRAINING_STATE_DIR
-            # Under gloo the device is `cpu:0`, which torch.load cannot map to; the optimizer moves
-            # each state tensor to its parameter's device anyway.
-            where = self.device if self.device.type == "cuda" else "cpu"
-            self.optimizer.load_state_dict(torch.load(sdir / OPTIMIZER_FILE, map_location=where, weights_only=False))
-            rng_file = sdir / f"rng-{self.rank}.pt"
-            if rng_file.exists():  # absent when the process count changed
-                _set_rng_state(torch.load(rng_file, weights_only=False))
+            self._load_training_state(Path(start) / TRAINING_STATE_DIR)
+
+    def _load_model(self, start: str, ft: dict):
+        """The model in fp32 (master weights; bf16 only inside autocast), its layers compiled
+        where finetune.compile asks for it."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from gsm8kctl.artifacts.models import check_transformers_reads
+
+        check_transformers_reads(start)
+        lm = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+        lm.config.use_cache = False
+        if ft["gradient_checkpointing"]:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.compiled = _compile_wanted(ft["compile"], self.cuda)
+        if self.compiled:
+            # Compiling each decoder layer fuses norms, rotary and activations: on one H200
+            # (2026-11-29) the 1.5B shape went from 36k to 50k tokens/s and from 132 to 94 GB at
+            # batch 32 x 1024.
+            # Layers compile in place, so state-dict names (and saved checkpoints) are unchanged.
+            layers = getattr(lm.get_decoder(), "layers", None)
+            if layers is None:
+                say("warning: finetune.compile: this model has no decoder.layers; running eagerly")
+            else:
+                for layer in layers:
+                    layer.compile()
+        return lm
+
+    def _load_training_state(self, sdir: Path) -> None:
+        """The optimizer's moments and this rank's RNG state of the checkpoint resumed from."""
+        import torch
+
+        # Under gloo the device is `cpu:0`, which torch.load cannot map to; the optimizer moves
+        # each state tensor to its parameter's device anyway.
+        where = self.device if self.device.type == "cuda" else "cpu"
+        self.optimizer.load_state_dict(torch.load(sdir / OPTIMIZER_FILE, map_location=where, weights_only=False))
+        rng_file = sdir / f"rng-{self.rank}.pt"
+        if rng_file.exists():  # absent when the process count changed
+            _set_rng_state(torch.load(rng_file, weights_only=False))
 
     def plan(self, samples: Sequence[dict], ft: dict) -> PhasePlan:
         return plan_phase(samples, ft, step=self.step, last_phase=self.phase,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from gsm8kctl.sampling.backends.base import Backend, Completion, SamplingParams
 from gsm8kctl.errors import UserError
+from gsm8kctl.sampling.backends.base import Backend, Completion, SamplingParams
 
 BACKENDS = ("auto", "transformers", "vllm", "openai")
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gsm8kctl.sampling.backends import fused
 from gsm8kctl.errors import UserError
+from gsm8kctl.sampling.backends import fused
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 

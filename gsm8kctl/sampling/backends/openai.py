@@ -18,11 +18,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
-from gsm8kctl.sampling.backends.base import Completion, SamplingParams
-from gsm8kctl.sampling.backends.vllm import PASSTHROUGH_EXTRA, seed_of_request
+from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
 from gsm8kctl.config import setting
 from gsm8kctl.errors import UserError
-from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
+from gsm8kctl.sampling.backends.base import Completion, SamplingParams
+from gsm8kctl.sampling.backends.vllm import PASSTHROUGH_EXTRA, seed_of_request
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 

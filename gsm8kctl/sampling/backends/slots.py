@@ -38,16 +38,16 @@ import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.backends.decode_attention import DecodeAttention
 from gsm8kctl.sampling.backends.decode_attention import available as split_k_available
 from gsm8kctl.sampling.backends.sampling import choose, uniforms
-from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.hostgate import HostGate
 
 ATTN_NAME = "gsm8kctl_slots"
@@ -192,6 +192,20 @@ class _Window:
     tok: torch.Tensor  # [b, 1 + window] on the host, filled by an asynchronous copy: the token
     lp: torch.Tensor   # each row held before the window (a fresh row's first), then the window's
     copied: "torch.cuda.Event | None"
+
+
+@dataclass
+class _Run:
+    """One `SlotEngine.run`'s bookkeeping shared by its windows."""
+    owner: list  # the request held by each slot row, or None
+    stops: np.ndarray
+    width: int  # the token before a window, then the window's
+    max_tokens: int
+    released: Callable  # the gate's `released` (or a null context): the host's wait on the device
+
+    def finish(self, r: Request) -> "Finished":
+        self.owner[r.row], r.done = None, True
+        return Finished(r.index, r.tokens, r.logprobs, r.finish, time.perf_counter() - r.start)
 
 
 @dataclass
@@ -397,11 +411,7 @@ class SlotEngine:
         host = [(torch.zeros((self.slots, width), dtype=torch.long, pin_memory=cuda),
                  torch.zeros((self.slots, width), dtype=torch.float32, pin_memory=cuda)) for _ in range(2)]
         refill_at = max(1, self.slots // 16)  # free slots worth a prefill while the others wait
-        released = gate.released if gate is not None else nullcontext
-
-        def finish(r: Request) -> Finished:
-            owner[r.row], r.done = None, True
-            return Finished(r.index, r.tokens, r.logprobs, r.finish, time.perf_counter() - r.start)
+        run = _Run(owner, stops, width, max_tokens, gate.released if gate is not None else nullcontext)
 
         def launch(busy: list[int], parity: int) -> _Window:
             b = next(k for k in self.buckets if k > busy[-1])
@@ -421,35 +431,6 @@ class SlotEngine:
                 copied.record()
             return _Window([(owner[i], i) for i in busy], tok, lp, copied)
 
-        def take(w: _Window) -> Iterator[Finished]:
-            """Each row still held by its owner at launch takes its tokens up to a stop or the limit."""
-            t0 = time.perf_counter()
-            with released():  # the window's one host wait on the device
-                if w.copied is not None:
-                    w.copied.synchronize()
-            self.stats["sync_s"] += time.perf_counter() - t0
-            toks = w.tok.numpy()
-            is_stop = np.isin(toks, stops)
-            # Per row, the first stop from column 0 (a fresh row) and from column 1 (the others).
-            stop_from0 = np.where(is_stop.any(1), is_stop.argmax(1), width)
-            stop_from1 = np.where(is_stop[:, 1:].any(1), is_stop[:, 1:].argmax(1), width)
-            tok_rows, lp_rows = toks.tolist(), w.lp.numpy().tolist()
-            for r, i in w.rows:
-                if r.done:  # finished in the window before: these are junk steps
-                    continue
-                start, stop_at = (0, int(stop_from0[i])) if r.fresh else (1, int(stop_from1[i]))
-                r.fresh = False
-                room = max_tokens - len(r.tokens)
-                n = min(width - start, room, stop_at + 1)
-                r.tokens.extend(tok_rows[i][start:start + n])
-                r.logprobs.extend(lp_rows[i][start:start + n])
-                self.stats["slot_steps_busy"] += n - (1 - start)  # a first token is the prefill's
-                if stop_at < n:
-                    r.finish = "stop"
-                    yield finish(r)
-                elif n >= room:
-                    yield finish(r)
-
         t_run = time.perf_counter()
         in_flight: _Window | None = None
         parity = 0
@@ -465,14 +446,45 @@ class SlotEngine:
             launched = launch(busy, parity) if busy else None
             parity ^= 1
             if not self.overlap and launched is not None:
-                yield from take(launched)
+                yield from self._take(launched, run)
                 launched = None
             if in_flight is not None:
-                yield from take(in_flight)
+                yield from self._take(in_flight, run)
             in_flight = launched
             if in_flight is None and not waiting and not any(o is not None for o in owner):
                 break
         self.stats["run_s"] += time.perf_counter() - t_run
+
+    def _take(self, w: _Window, run: "_Run") -> Iterator[Finished]:
+        """Each row of window `w` still held by its owner at launch takes its tokens up to a stop
+        or the limit; yields the requests that finished."""
+        width, max_tokens = run.width, run.max_tokens
+        t0 = time.perf_counter()
+        with run.released():  # the window's one host wait on the device
+            if w.copied is not None:
+                w.copied.synchronize()
+        self.stats["sync_s"] += time.perf_counter() - t0
+        toks = w.tok.numpy()
+        is_stop = np.isin(toks, run.stops)
+        # Per row, the first stop from column 0 (a fresh row) and from column 1 (the others).
+        stop_from0 = np.where(is_stop.any(1), is_stop.argmax(1), width)
+        stop_from1 = np.where(is_stop[:, 1:].any(1), is_stop[:, 1:].argmax(1), width)
+        tok_rows, lp_rows = toks.tolist(), w.lp.numpy().tolist()
+        for r, i in w.rows:
+            if r.done:  # finished in the window before: these are junk steps
+                continue
+            start, stop_at = (0, int(stop_from0[i])) if r.fresh else (1, int(stop_from1[i]))
+            r.fresh = False
+            room = max_tokens - len(r.tokens)
+            n = min(width - start, room, stop_at + 1)
+            r.tokens.extend(tok_rows[i][start:start + n])
+            r.logprobs.extend(lp_rows[i][start:start + n])
+            self.stats["slot_steps_busy"] += n - (1 - start)  # a first token is the prefill's
+            if stop_at < n:
+                r.finish = "stop"
+                yield run.finish(r)
+            elif n >= room:
+                yield run.finish(r)
 
     def _admit(self, waiting, free, owner, temperature, top_p) -> None:
         """Prefill waiting prompts into free rows (lowest first) under the token budget. Nothing

@@ -17,14 +17,14 @@ from typing import Iterator, Sequence
 import torch
 
 from gsm8kctl import oom
+from gsm8kctl.artifacts.models import completion_text, load_tokenizer, stop_token_ids
+from gsm8kctl.config.sizes import gpu_share, kv_room
+from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.backends.base import Completion, SamplingParams, check_decode_attention, completion_seeds
 from gsm8kctl.sampling.backends.sampling import choose, uniforms
 from gsm8kctl.sampling.backends.slots import Request, SlotEngine, plan_slots, sdpa_backends
-from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.hostgate import HostGate
 from gsm8kctl.training.logprobs import chosen_logprobs, pad_batch, token_budget_batches, token_logprobs
-from gsm8kctl.artifacts.models import completion_text, load_tokenizer, stop_token_ids
-from gsm8kctl.config.sizes import gpu_share, kv_room
 
 
 def pick_device() -> str:
@@ -98,8 +98,8 @@ class TransformersBackend:
         dtype = dtype if dtype != "auto" else cfg["transformers"]["dtype"]
         if self.native:
             # Our decoder and the Rust tokenizer: no transformers import in this process (llama.py).
-            from gsm8kctl.sampling.backends import llama
             from gsm8kctl.artifacts.models import load_chat_tokenizer
+            from gsm8kctl.sampling.backends import llama
 
             self.tokenizer = load_chat_tokenizer(model)
             self.model_obj = llama.load(model, device=self.device, dtype=pick_dtype(self.device, dtype))

@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from gsm8kctl.sampling.backends.base import Completion, SamplingParams
-from gsm8kctl.config import setting
-from gsm8kctl.errors import UserError
-from gsm8kctl.training.logprobs import token_budget_batches
 from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
-from gsm8kctl.progress import say
+from gsm8kctl.config import setting
 from gsm8kctl.config.sizes import gpu_share
+from gsm8kctl.errors import UserError
+from gsm8kctl.progress import say
+from gsm8kctl.sampling.backends.base import Completion, SamplingParams
+from gsm8kctl.training.logprobs import token_budget_batches
 
 # SamplingParams.extra keys passed through to vLLM; everything else in `extra` is bookkeeping.
 PASSTHROUGH_EXTRA = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
