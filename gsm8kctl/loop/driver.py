@@ -40,8 +40,8 @@ def iteration_steps(n_samples: int, ft: dict) -> dict:
 
     `finetune.steps` if set, else `save_checkpoint_steps` if set (the TapeAgents command line: a
     fixed count whatever the data), else `epochs` passes. A fixed count on a few samples repeats
-    them: in issue 11, 8 steps per iteration on 16-35 successes drove the new/old ratio to 47 and
-    test accuracy down.
+    them: with the TapeAgents command line's settings, 8 steps per iteration on 16-35 successes
+    drove the new/old ratio to 47 and test accuracy down.
     """
     from gsm8kctl.training.trainer import global_batch_size, steps_per_epoch
 
