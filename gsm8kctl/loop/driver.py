@@ -28,7 +28,7 @@ from gsm8kctl.config import CONFIG_FILE, save_config
 from gsm8kctl.errors import Stopped, UserError
 from gsm8kctl.loop.curriculum import choose_problems, read_pass_rates, record_pass_rates
 from gsm8kctl.procs import StageRecord
-from gsm8kctl.progress import WARNINGS_ENV, console, library_output_to, say
+from gsm8kctl.progress import WARNINGS_ENV, console, library_output_to, say, warn
 from gsm8kctl.stages.stats import tape_stats
 
 # ---------------------------------------------------------------------------------------------
@@ -482,9 +482,9 @@ class _Context:
         row["warnings"] += guard
         row["no_signal"] = no_signal(row, self.cfg)
         for w in guard:
-            say(f"warning: iteration {it}: {w}", self.quiet)
+            warn(f"iteration {it}: {w}", self.quiet)
         if row["no_signal"]:
-            say(f"warning: iteration {it} gave nothing to learn from: {row['no_signal']}", self.quiet)
+            warn(f"iteration {it} gave nothing to learn from: {row['no_signal']}", self.quiet)
         write_jsonl(path, rows + [row])  # atomic rewrite: a rerun of this phase never duplicates a line
         plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
         _report_to(self.cfg["report_to"], row, self.run_dir, self.quiet)
@@ -617,6 +617,6 @@ def _report_to(trackers: list[str], row: dict, run_dir: Path, quiet: bool) -> No
                     wandb.init(project="gsm8kctl", name=run_dir.name, dir=str(run_dir), resume="allow")
                 wandb.log(scalars, step=row["iteration"])
             else:
-                say(f"warning: unknown tracker '{name}' in report_to (tensorboard, wandb)", quiet)
+                warn(f"unknown tracker '{name}' in report_to (tensorboard, wandb)", quiet)
         except ImportError:
-            say(f"warning: report_to {name}: package not installed; metrics.jsonl still has everything", quiet)
+            warn(f"report_to {name}: package not installed; metrics.jsonl still has everything", quiet)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from gsm8kctl.browse.app import is_loopback  # noqa: F401 (re-export: the stage decides with it)
 from gsm8kctl.errors import UserError
-from gsm8kctl.progress import console
+from gsm8kctl.progress import console, warn
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7680
@@ -53,9 +53,8 @@ def browse(path: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, llm_ca
     sock = _bind(host, port)
     loopback = is_loopback(host)
     if not loopback:
-        console.print(f"[yellow]warning:[/] serving on {escape(host)}: anyone who can reach this machine "
-                      "can read these tapes and LLM calls (no authentication). Use --host 127.0.0.1 to "
-                      "keep it local.", highlight=False)
+        warn(f"serving on {host}: anyone who can reach this machine can read these tapes and LLM calls "
+             "(no authentication). Use --host 127.0.0.1 to keep it local.")
     start = time.perf_counter()
     if not quiet:
         console.print(f"indexing {escape(str(path))} ...", highlight=False)
@@ -77,9 +76,8 @@ def browse(path: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, llm_ca
         console.print(f"{state.index.total()} tapes in {len(state.index.files)} file(s), indexed in "
                       f"{time.perf_counter() - start:.1f}s; {escape(calls)}", highlight=False, soft_wrap=True)
         if state.index.total() == 0 and Path(path).is_file() and Path(path).stat().st_size > 0:
-            console.print(f"[yellow]warning:[/] no tapes read from {escape(str(path))}: the browser reads "
-                          "JSONL tapes; convert other layouts (TapeAgents JSON) with gather-tapes first",
-                          highlight=False, soft_wrap=True)
+            warn(f"no tapes read from {path}: the browser reads JSONL tapes; convert other layouts "
+                 "(TapeAgents JSON) with gather-tapes first")
         console.print(f"browse at {url}  (Ctrl-C to stop)", highlight=False, soft_wrap=True)
     if open_browser:
         threading.Timer(0.5, webbrowser.open, args=(url,)).start()

@@ -30,7 +30,7 @@ from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_rep
 from gsm8kctl.artifacts.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
 from gsm8kctl.artifacts.tapes import check_tape
 from gsm8kctl.errors import UserError
-from gsm8kctl.progress import console, say
+from gsm8kctl.progress import console, warn
 
 MODES = ("rejection", "all")
 
@@ -455,8 +455,6 @@ def run_filter(
     write_jsonl(out, samples)
     if not quiet:
         console.print(report.table())
-        if not samples:
-            console.print("[yellow]warning:[/] no samples kept; finetune would have nothing to train on")
-    elif not samples:
-        say("warning: no samples kept")
+    if not samples:
+        warn("no samples kept; finetune would have nothing to train on")
     return report

@@ -48,7 +48,7 @@ from gsm8kctl.artifacts.rundir import CHECKPOINTS_DIR, FINETUNE_DIR, checkpoint_
 from gsm8kctl.artifacts.samples import read_samples
 from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.procs import free_port
-from gsm8kctl.progress import say
+from gsm8kctl.progress import say, warn
 from gsm8kctl.training.trainer import (RESULT_FILE, Trainer, use_bf16, plan_phase,
                                start_state)
 
@@ -117,8 +117,8 @@ def run_finetune(
 
         check_transformers_reads(start)
     if kl != ft["rl"]["kl_coef"]:  # said once every check has passed: a refused run prints one line
-        say(f"warning: finetune.rl.kl_coef={kl:g} but no sample carries ref_logprobs (filter without "
-            "--ref-model): training without the KL term")
+        warn(f"finetune.rl.kl_coef={kl:g} but no sample carries ref_logprobs (filter without --ref-model): "
+             "training without the KL term")
     if not quiet:
         say(note)
 

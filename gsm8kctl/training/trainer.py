@@ -39,7 +39,7 @@ from gsm8kctl.artifacts.rundir import (FINETUNE_DIR, OPTIMIZER_FILE, TRAINING_ST
 from gsm8kctl.artifacts.samples import samples_stats, stats_table
 from gsm8kctl.config import save_config
 from gsm8kctl.errors import UserError
-from gsm8kctl.progress import console, say
+from gsm8kctl.progress import console, say, warn
 
 METRICS_FILE = "metrics.jsonl"
 DATASET_STATS_FILE = "dataset_stats.jsonl"
@@ -363,7 +363,7 @@ class Trainer:
             # Layers compile in place, so state-dict names (and saved checkpoints) are unchanged.
             layers = getattr(lm.get_decoder(), "layers", None)
             if layers is None:
-                say("warning: finetune.compile: this model has no decoder.layers; running eagerly")
+                warn("finetune.compile: this model has no decoder.layers; running eagerly")
             else:
                 for layer in layers:
                     layer.compile()
@@ -619,17 +619,12 @@ class Trainer:
             self._writer.start()
             return self.pending
         if self.main:
-            acc.unwrap_model(self.model).lm.save_pretrained(tmp, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            save_config(cfg, tmp / CONFIG_COPY)
-            torch.save(self.optimizer.state_dict(), tmp / TRAINING_STATE_DIR / OPTIMIZER_FILE)
+            self._write_files(tmp, cfg, None, self.optimizer.state_dict())
         torch.save(_rng_state(), tmp / TRAINING_STATE_DIR / f"rng-{acc.process_index}.pt")
         acc.wait_for_everyone()
         final = None
         if self.main:
-            # The state file last: a checkpoint without it is incomplete and never loaded.
-            atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {**meta, "created": round(time.time(), 3)})
-            final = publish_checkpoint(self.out_dir, tmp, step, int(cfg["finetune"]["keep_checkpoints"]))
+            final = self._publish(tmp, step, int(cfg["finetune"]["keep_checkpoints"]), meta)
         acc.wait_for_everyone()
         return final
 
@@ -638,15 +633,27 @@ class Trainer:
         import torch
 
         try:
-            self.lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            save_config(cfg, tmp / CONFIG_COPY)
-            torch.save(optimizer, tmp / TRAINING_STATE_DIR / OPTIMIZER_FILE)
+            self._write_files(tmp, cfg, weights, optimizer)
             torch.save(rng, tmp / TRAINING_STATE_DIR / "rng-0.pt")
-            atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {**meta, "created": round(time.time(), 3)})
-            publish_checkpoint(self.out_dir, tmp, step, keep)
+            self._publish(tmp, step, keep, meta)
         except BaseException as exc:  # re-raised in the caller's thread by wait_saved
             self._writer_error = exc
+
+    def _write_files(self, tmp: Path, cfg: dict, weights: dict | None, optimizer: dict) -> None:
+        """A checkpoint's files but the RNG states and the state file: the weights (`weights`, a
+        host copy, or None for the live model's), tokenizer, config and optimizer state."""
+        import torch
+
+        self.lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        save_config(cfg, tmp / CONFIG_COPY)
+        torch.save(optimizer, tmp / TRAINING_STATE_DIR / OPTIMIZER_FILE)
+
+    def _publish(self, tmp: Path, step: int, keep: int, meta: dict) -> Path:
+        """The state file last (a checkpoint without it is incomplete and never loaded), then the
+        directory renamed into place, `latest` pointed at it and older ones pruned."""
+        atomic_write_json(tmp / TRAINING_STATE_DIR / TRAINING_STATE_FILE, {**meta, "created": round(time.time(), 3)})
+        return publish_checkpoint(self.out_dir, tmp, step, keep)
 
     def wait_saved(self) -> float:
         """Block until a background save is on disk (published); the seconds waited."""

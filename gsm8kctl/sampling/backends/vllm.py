@@ -34,7 +34,7 @@ from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
 from gsm8kctl.config import setting
 from gsm8kctl.config.sizes import gpu_share
 from gsm8kctl.errors import UserError
-from gsm8kctl.progress import say
+from gsm8kctl.progress import warn
 from gsm8kctl.sampling.backends.base import Completion, SamplingParams
 from gsm8kctl.training.logprobs import token_budget_batches
 
@@ -244,7 +244,7 @@ def _shutdown(llm, guard=None) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception as e:  # noqa: BLE001 - best effort, we are closing anyway
-        say(f"warning: vLLM engine shutdown: {e}", verbatim=True)
+        warn(f"vLLM engine shutdown: {e}")
     import gc
 
     del llm
