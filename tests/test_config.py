@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gsm8kctl.config import default_config, load_config, parse_override, save_config, set_value, validate
-from gsm8kctl.config import schema
+from gsm8kctl.config import default_config, load_config, parse_override, save_config, schema, set_value, validate
 from gsm8kctl.errors import UserError
 
 ORIGINAL = (

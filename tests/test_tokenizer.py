@@ -13,8 +13,7 @@ import pytest
 
 from gsm8kctl.artifacts.chat import render_completion
 from gsm8kctl.artifacts.data import load_problems
-from gsm8kctl.artifacts.models import load_chat_tokenizer
-from gsm8kctl.artifacts.models import load_tokenizer, stop_token_ids
+from gsm8kctl.artifacts.models import load_chat_tokenizer, load_tokenizer, stop_token_ids
 from gsm8kctl.artifacts.tokenizer import ChatTokenizer
 from gsm8kctl.config import load_config
 from gsm8kctl.sampling.attempts import prompt_for

@@ -16,8 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from gsm8kctl.agent import parse_gold
-from gsm8kctl.artifacts.jsonl import read_jsonl_located
-from gsm8kctl.artifacts.tapes import shown
+from gsm8kctl.artifacts.jsonl import read_jsonl_located, shown
 from gsm8kctl.errors import UserError
 
 FILES = ("train", "test")  # GSM8k's own files

@@ -386,3 +386,11 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
             f.write(dumps(r) + "\n")
             n += 1
     return n
+
+def shown(value, limit: int = 40) -> str:
+    """A value as JSON, cut to `limit` characters, for error messages."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,6 +1,6 @@
 """The run directory: where everything of a run lives, the checkpoint list, and `state.json`.
 
-    RUN/config.yaml                     the resolved config (config.CONFIG_FILE)
+    RUN/config.yaml                     the resolved config (CONFIG_FILE)
     RUN/state.json                      what the loop does next (rewritten atomically per phase)
     RUN/.lock                           flock held by the running loop
     RUN/llm_calls.sqlite                every LLM call of every phase
@@ -33,6 +33,22 @@ from pathlib import Path
 from gsm8kctl.artifacts.jsonl import atomic_write_json, atomic_write_text
 from gsm8kctl.errors import UserError
 
+# Inside the run directory and the stages' outputs (one name, one owner: here).
+CONFIG_FILE = "config.yaml"                  # the resolved config every stage saves beside its output
+TAPES_FILE = "tapes.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+EVAL_METRICS_FILE = "metrics.json"           # evaluate's summary of one evaluation
+STATS_FILE = "stats.json"
+LLM_CALLS_FILE = "llm_calls.sqlite"
+FINETUNE_METRICS_FILE = "metrics.jsonl"      # finetune/: one line per optimizer step
+DATASET_STATS_FILE = "dataset_stats.jsonl"   # finetune/: one line per samples set trained
+FINETUNE_RESULT_FILE = "last_run.json"       # finetune/: the result of a multi-process run
+LAUNCH_FILE = "launch.json"                  # finetune/: what `accelerate launch` workers read
+SHARDS_DIR = "shards"                        # one sampling phase's per-process outputs
+GOLD_FILE = "gold_samples.jsonl"             # control/: the SFT control's gold samples
+SEEDS_SUMMARY_FILE = "seeds.json"            # seeds: per seed, and median and range
+SEEDS_PLOT_FILE = "seeds.png"
+CONTROL_DIR = "control"                      # seeds: RUN/seed-S/control/
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
 RUN_METRICS_FILE = "metrics.jsonl"
@@ -215,7 +231,7 @@ def load_state(run_dir: Path) -> dict:
 
 def _check_state(state, path: Path) -> dict:
     """The keys the loop resumes from, typed; a hand-edited or foreign file is named with its key."""
-    from gsm8kctl.artifacts.tapes import shown
+    from gsm8kctl.artifacts.jsonl import shown
 
     def bad(key: str, what: str):
         return UserError(f"{path}: '{key}' must be {what}, got {shown(state.get(key))} "

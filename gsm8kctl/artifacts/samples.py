@@ -23,8 +23,8 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from gsm8kctl.artifacts.jsonl import read_jsonl_located
-from gsm8kctl.artifacts.tapes import is_int_list, is_number, shown
+from gsm8kctl.artifacts.jsonl import read_jsonl_located, shown
+from gsm8kctl.artifacts.tapes import is_int_list, is_number
 from gsm8kctl.errors import UserError
 
 SAMPLE_KEYS = (

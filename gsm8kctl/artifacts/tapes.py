@@ -11,13 +11,9 @@ from typing import Any
 import numpy as np
 
 from gsm8kctl.agent import Grade
+from gsm8kctl.artifacts.jsonl import shown
 from gsm8kctl.errors import UserError
 
-TAPES_FILE = "tapes.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-METRICS_FILE = "metrics.json"
-STATS_FILE = "stats.json"
-LLM_CALLS_FILE = "llm_calls.sqlite"
 
 # Keys every tape has; readers of older layouts fill what is missing (see gather_tapes).
 TAPE_KEYS = (
@@ -49,14 +45,6 @@ def is_number(x) -> bool:
 def is_int_list(x) -> bool:
     return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
 
-
-def shown(value, limit: int = 40) -> str:
-    """A value as JSON, cut to `limit` characters, for error messages."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def check_tape(t: dict, where: str, *, tokens: bool = False) -> dict:

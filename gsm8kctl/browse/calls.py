@@ -12,9 +12,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from gsm8kctl.artifacts.rundir import CHECKPOINTS_DIR, ITERATIONS_DIR, STATE_FILE
-from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE
-from gsm8kctl.config import CONFIG_FILE
+from gsm8kctl.artifacts.rundir import CHECKPOINTS_DIR, CONFIG_FILE, ITERATIONS_DIR, LLM_CALLS_FILE, STATE_FILE
 from gsm8kctl.errors import UserError
 
 TABLE = "llm_calls"

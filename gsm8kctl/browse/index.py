@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Iterator
 
 from gsm8kctl.artifacts.jsonl import loads_strict, maybe_nonfinite
-from gsm8kctl.artifacts.rundir import EVAL_DIR, ITERATIONS_DIR
-from gsm8kctl.artifacts.tapes import TAPES_FILE, outcome
+from gsm8kctl.artifacts.rundir import EVAL_DIR, ITERATIONS_DIR, TAPES_FILE
+from gsm8kctl.artifacts.tapes import outcome
 from gsm8kctl.errors import UserError
 
 OUTCOMES = ("correct", "wrong", "unparsable", "overflow")

@@ -19,11 +19,9 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from gsm8kctl.artifacts.jsonl import atomic_write_text
-from gsm8kctl.config import schema
-from gsm8kctl.config import sizes
+from gsm8kctl.config import schema, sizes
 from gsm8kctl.errors import UserError
 
-CONFIG_FILE = "config.yaml"
 DEFAULTS_SOURCE = "gsm8kctl/config/default.yaml"
 
 

@@ -23,24 +23,22 @@ import time
 from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
-from gsm8kctl.artifacts.rundir import (FINETUNE_DIR, RUN_METRICS_FILE, STATE_FILE, eval_dir, iteration_dir,
-                             latest_checkpoint, load_state)
-from gsm8kctl.artifacts.tapes import METRICS_FILE, SAMPLES_FILE
+from gsm8kctl.artifacts.rundir import (EVAL_METRICS_FILE, FINETUNE_DIR, GOLD_FILE, RUN_METRICS_FILE, SAMPLES_FILE,
+                                       STATE_FILE, eval_dir, iteration_dir, latest_checkpoint, load_state)
 from gsm8kctl.errors import UserError
 from gsm8kctl.progress import say
 
 AT = ("best", "last", "all")
-GOLD_FILE = "gold_samples.jsonl"
 
 
 def rl_token_schedule(rl_run: Path) -> tuple[list[dict], dict[int, int]]:
     """The RL run's metrics rows, and the completion tokens it had trained by the end of each
     iteration (its finetune steps, matched to the iteration by their samples' fingerprint)."""
-    from gsm8kctl.training.trainer import METRICS_FILE as STEP_METRICS
+    from gsm8kctl.artifacts.rundir import FINETUNE_METRICS_FILE
     from gsm8kctl.training.trainer import fingerprint
 
     rows = sorted(read_jsonl(rl_run / RUN_METRICS_FILE), key=lambda r: r["iteration"])
-    steps_path = rl_run / FINETUNE_DIR / STEP_METRICS
+    steps_path = rl_run / FINETUNE_DIR / FINETUNE_METRICS_FILE
     steps = list(read_jsonl(steps_path)) if steps_path.exists() else []
     cumulative, total = {}, 0
     for r in rows:
@@ -139,7 +137,7 @@ def control(cfg: dict, like: str, out: str, *, at: str = "best", quiet: bool = F
                 limit = cfg["eval_limit"] if split == "test" else None
                 engine.evaluate(model, eval_dir(out_dir, it, split), it, limit, split)
                 row["seconds"][f"evaluate_{split}"] = round(time.time() - t0, 1)
-                m = json.loads((eval_dir(out_dir, it, split) / METRICS_FILE).read_text(encoding="utf-8"))
+                m = json.loads((eval_dir(out_dir, it, split) / EVAL_METRICS_FILE).read_text(encoding="utf-8"))
                 row.update({f"{split}_accuracy_strict": m["accuracy_strict"],
                             f"{split}_accuracy_lenient": m["accuracy_lenient"], f"{split}_n": m["n"]})
             done[it] = row

@@ -20,11 +20,12 @@ from pathlib import Path
 from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
 from gsm8kctl.artifacts.llm_calls import check_log
 from gsm8kctl.artifacts.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
-from gsm8kctl.artifacts.rundir import (CURVE_FILE, FINETUNE_DIR, KEEP_MARKER, OUTPUT_LOG_FILE, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE, START_ITERATION,
-                             START_MODEL, STATE_FILE, WARMUP_DIR, WARNINGS_FILE, RunLock, eval_dir, is_own_checkpoint, iteration_dir, latest_checkpoint,
-                             load_state, mark_keep, save_state, unmark_keep)
-from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE, METRICS_FILE, SAMPLES_FILE, TAPES_FILE
-from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.artifacts.rundir import (CONFIG_FILE, CURVE_FILE, EVAL_METRICS_FILE, FINETUNE_DIR, KEEP_MARKER,
+                                       LLM_CALLS_FILE, OUTPUT_LOG_FILE, PASS_RATES_FILE, PHASES, RUN_METRICS_FILE,
+                                       RunLock, SAMPLES_FILE, START_ITERATION, START_MODEL, STATE_FILE, TAPES_FILE,
+                                       WARMUP_DIR, WARNINGS_FILE, eval_dir, is_own_checkpoint, iteration_dir,
+                                       latest_checkpoint, load_state, mark_keep, save_state, unmark_keep)
+from gsm8kctl.config import save_config
 from gsm8kctl.errors import Stopped, UserError
 from gsm8kctl.loop.curriculum import choose_problems, read_pass_rates, record_pass_rates
 from gsm8kctl.procs import StageRecord
@@ -134,10 +135,10 @@ def no_signal(row: dict, cfg: dict) -> str | None:
 def _finetune_summary(run_dir: Path, samples_path: Path) -> dict:
     """Over the finetune steps that trained on this samples file: the largest mean ratio and KL
     (the guard reads these), and the mean loss, entropy and KL (the learning curves plot these)."""
-    from gsm8kctl.training.trainer import METRICS_FILE as FINETUNE_METRICS
+    from gsm8kctl.artifacts.rundir import FINETUNE_METRICS_FILE
     from gsm8kctl.training.trainer import fingerprint
 
-    path = run_dir / FINETUNE_DIR / FINETUNE_METRICS
+    path = run_dir / FINETUNE_DIR / FINETUNE_METRICS_FILE
     samples = list(read_jsonl(samples_path)) if samples_path.exists() else []
     out = dict.fromkeys(("train_ratio_max", "train_kl_max", "train_loss_mean", "train_entropy_mean",
                          "train_kl_mean"))
@@ -323,7 +324,7 @@ class _Context:
         for split in self.splits():
             limit = self.cfg["eval_limit"] if split == "test" else None  # validation: every held-out problem
             self.engine.evaluate(model, self.eval_dir(it, split), it, limit, split)
-            out[split] = json.loads((self.eval_dir(it, split) / METRICS_FILE).read_text(encoding="utf-8"))
+            out[split] = json.loads((self.eval_dir(it, split) / EVAL_METRICS_FILE).read_text(encoding="utf-8"))
         return out
 
     def current_model(self) -> str:
@@ -371,13 +372,13 @@ class _Context:
         """The starting model on the test split, before the warm start changes it: what the warm
         start and the iterations gained is measured from here (metrics.jsonl iteration -1)."""
         it = START_ITERATION
-        if not all((self.eval_dir(it, s) / METRICS_FILE).exists() for s in self.splits()):  # a rerun skips it
+        if not all((self.eval_dir(it, s) / EVAL_METRICS_FILE).exists() for s in self.splits()):  # a rerun skips it
             self._banner(it, "evaluate the starting model")
             t0 = time.time()
             self._evaluate_model(self.cfg["model"], it)
             self.state["timings"].setdefault(str(it), {})["evaluate"] = round(time.time() - t0, 1)
             save_state(self.run_dir, self.state)
-        m = json.loads((self.eval_dir(it, self.select_on) / METRICS_FILE).read_text(encoding="utf-8"))
+        m = json.loads((self.eval_dir(it, self.select_on) / EVAL_METRICS_FILE).read_text(encoding="utf-8"))
         self._mark_best(it, m["accuracy_strict"], Path(m["model"]))
         self._record(it)
 
@@ -466,7 +467,7 @@ class _Context:
             if secs:
                 row["sample_tokens_per_s"] = round(sum(len(t["completion_token_ids"]) for t in tapes) / secs, 1)
         for split in ("test", "validation"):
-            ev = self.eval_dir(it, split) / METRICS_FILE
+            ev = self.eval_dir(it, split) / EVAL_METRICS_FILE
             if ev.exists():
                 m = json.loads(ev.read_text(encoding="utf-8"))
                 row.update({f"{split}_accuracy_strict": m["accuracy_strict"],

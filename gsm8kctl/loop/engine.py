@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl
-from gsm8kctl.artifacts.rundir import OUTPUT_LOG_FILE
-from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE
+from gsm8kctl.artifacts.rundir import LLM_CALLS_FILE, OUTPUT_LOG_FILE
 from gsm8kctl.errors import UserError
 from gsm8kctl.procs import TALK_FD_ENV, StageRecord, run_stage
 from gsm8kctl.progress import say
@@ -84,8 +83,8 @@ class ProcessEngine:
     name = "processes"
 
     def __init__(self, cfg: dict, run_dir: Path, state: dict, *, quiet: bool):
+        from gsm8kctl.artifacts.rundir import CONFIG_FILE
         from gsm8kctl.artifacts.rundir import save_state
-        from gsm8kctl.config import CONFIG_FILE
 
         self.cfg, self.run_dir, self.state, self.quiet = cfg, run_dir, state, quiet
         self.config_path = str(run_dir / CONFIG_FILE)
@@ -112,7 +111,7 @@ class ProcessEngine:
                                  "--llm-calls", str(self.run_dir / LLM_CALLS_FILE))
             return
         from gsm8kctl.artifacts.data import split_problems
-        from gsm8kctl.artifacts.tapes import METRICS_FILE, TAPES_FILE
+        from gsm8kctl.artifacts.rundir import EVAL_METRICS_FILE, TAPES_FILE
         from gsm8kctl.stages.evaluate import eval_metrics
 
         ids = [p["id"] for p in split_problems(self.cfg, split)][:limit]
@@ -127,7 +126,7 @@ class ProcessEngine:
         from gsm8kctl.artifacts.jsonl import atomic_write_json
         from gsm8kctl.sampling.backends import resolve_backend_name
 
-        atomic_write_json(out_dir / METRICS_FILE, eval_metrics(
+        atomic_write_json(out_dir / EVAL_METRICS_FILE, eval_metrics(
             out_dir / TAPES_FILE, ids, iteration=iteration, model_label=model,
             backend=resolve_backend_name(self.cfg["backend"]), split=split, seconds=seconds,
             tokens_per_s=round(tokens / max(seconds, 1e-9), 1)))
@@ -152,7 +151,7 @@ class ProcessEngine:
         from gsm8kctl.loop import shards
 
         parts = shards.split(ids, n)
-        d = phase_dir / shards.SHARDS_DIR
+        d = phase_dir / SHARDS_DIR
         d.mkdir(parents=True, exist_ok=True)
         commands, envs, tapes_files, calls_files = [], [], [], []
         for k, part in enumerate(parts):
@@ -161,7 +160,7 @@ class ProcessEngine:
             envs.append({**shards.shard_env(k), "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")})
             tapes_files.append(tapes)
             calls_files.append(d / f"llm_calls-{k}.sqlite")
-        spec = phase_dir / shards.SHARDS_DIR / "spec.json"
+        spec = phase_dir / SHARDS_DIR / "spec.json"
         atomic_write_json(spec, {"commands": commands, "envs": envs})
 
         def remember(stage: StageRecord) -> None:

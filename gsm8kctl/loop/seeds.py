@@ -27,13 +27,10 @@ from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import atomic_write_json, read_jsonl
 from gsm8kctl.artifacts.paths import OwnFile, check_replaceable
-from gsm8kctl.artifacts.rundir import RUN_METRICS_FILE, load_state
+from gsm8kctl.artifacts.rundir import CONTROL_DIR, RUN_METRICS_FILE, SEEDS_PLOT_FILE, SEEDS_SUMMARY_FILE, load_state
 from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.progress import say
 
-SUMMARY_FILE = "seeds.json"
-PLOT_FILE = "seeds.png"
-CONTROL_DIR = "control"
 METRICS = ("warm_start", "chosen", "ratio", "last", "control", "over_control")
 
 
@@ -59,8 +56,8 @@ def seeds(cfg: dict, run_dir: str, *, seed_list: list[int], config: str | None, 
     run = Path(run_dir)
     if len(set(seed_list)) != len(seed_list) or not seed_list:
         raise UserError(f"--seeds: give distinct seeds, got {','.join(map(str, seed_list)) or 'none'}")
-    check_output_dir(run, option="--run-dir", files=(SUMMARY_FILE,), data_dir=cfg["data_dir"])
-    check_replaceable(run / SUMMARY_FILE, option="--run-dir", kind=SEEDS_SUMMARY)
+    check_output_dir(run, option="--run-dir", files=(SEEDS_SUMMARY_FILE,), data_dir=cfg["data_dir"])
+    check_replaceable(run / SEEDS_SUMMARY_FILE, option="--run-dir", kind=SEEDS_SUMMARY)
     gpu = cfg["machine"] == "gpu"
     if parallel is None:
         parallel = len(seed_list) if gpu else 1
@@ -84,8 +81,8 @@ def seeds(cfg: dict, run_dir: str, *, seed_list: list[int], config: str | None, 
                     for s in seed_list if s not in failed}
         failed |= _run_all(controls, run, parallel, "control", quiet)
     summary = summarize(run, seed_list)
-    atomic_write_json(run / SUMMARY_FILE, summary)
-    plot_seeds(run, seed_list, run / PLOT_FILE)
+    atomic_write_json(run / SEEDS_SUMMARY_FILE, summary)
+    plot_seeds(run, seed_list, run / SEEDS_PLOT_FILE)
     if not quiet:
         render_summary(summary)
     if failed:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
 
-SHARDS_DIR = "shards"
 
 
 def split(ids: list[str], n: int) -> list[list[str]]:

@@ -27,10 +27,10 @@ from gsm8kctl import agent
 from gsm8kctl.artifacts import llm_calls
 from gsm8kctl.artifacts.chat import render_prompt
 from gsm8kctl.artifacts.data import split_problems
-from gsm8kctl.artifacts.jsonl import AppendTarget, JsonlAppender, scan_for_append
+from gsm8kctl.artifacts.jsonl import AppendTarget, JsonlAppender, scan_for_append, shown
 from gsm8kctl.artifacts.models import resolve_model
 from gsm8kctl.artifacts.paths import check_output_file
-from gsm8kctl.artifacts.tapes import check_tape, make_tape, shown, tape_id
+from gsm8kctl.artifacts.tapes import check_tape, make_tape, tape_id
 from gsm8kctl.errors import UserError
 from gsm8kctl.progress import Progress, say
 from gsm8kctl.sampling.backends import Backend, Completion, SamplingParams, get_backend, resolve_backend_name

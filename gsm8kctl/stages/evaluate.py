@@ -11,8 +11,8 @@ from pathlib import Path
 from gsm8kctl.artifacts.data import problems_by_id, split_problems
 from gsm8kctl.artifacts.jsonl import atomic_write_json, read_jsonl
 from gsm8kctl.artifacts.paths import SAVED_CONFIG, OwnFile, check_output_dir, check_replaceable
-from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE, METRICS_FILE, TAPES_FILE
-from gsm8kctl.config import CONFIG_FILE, save_config
+from gsm8kctl.artifacts.rundir import CONFIG_FILE, EVAL_METRICS_FILE, LLM_CALLS_FILE, TAPES_FILE
+from gsm8kctl.config import save_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.progress import say
 from gsm8kctl.sampling.attempts import check_calls_db, existing_output, open_backend, run_attempts
@@ -30,9 +30,9 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     if out_dir == "-":
         raise UserError("-o -: evaluate writes a directory (tapes, metrics.json, config.yaml); give its path, "
                         "and --json for the metrics on stdout")
-    check_output_dir(out, option="-o", files=(TAPES_FILE, METRICS_FILE, CONFIG_FILE), data_dir=cfg["data_dir"])
+    check_output_dir(out, option="-o", files=(TAPES_FILE, EVAL_METRICS_FILE, CONFIG_FILE), data_dir=cfg["data_dir"])
     check_replaceable(out / CONFIG_FILE, option="-o", kind=SAVED_CONFIG)
-    check_replaceable(out / METRICS_FILE, option="-o", kind=EVAL_METRICS)
+    check_replaceable(out / EVAL_METRICS_FILE, option="-o", kind=EVAL_METRICS)
     calls_db = calls_db or str(out / LLM_CALLS_FILE)
     check_calls_db(calls_db, str(tapes_path), cfg["data_dir"])
     existing = existing_output(str(tapes_path))
@@ -61,7 +61,7 @@ def evaluate(cfg: dict, *, out_dir: str, limit: int | None = None, split: str = 
     metrics = eval_metrics(tapes_path, [p["id"] for p in problems], iteration=iteration, model_label=label,
                            backend=backend.name, split=split, seconds=run["seconds"],
                            tokens_per_s=run["tokens_per_s"])
-    atomic_write_json(out / METRICS_FILE, metrics)
+    atomic_write_json(out / EVAL_METRICS_FILE, metrics)
     return metrics
 
 

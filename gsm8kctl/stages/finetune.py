@@ -44,15 +44,14 @@ from typing import Sequence
 
 from gsm8kctl.artifacts.jsonl import atomic_write_json, write_jsonl
 from gsm8kctl.artifacts.paths import check_output_dir, is_inside, same_file
-from gsm8kctl.artifacts.rundir import CHECKPOINTS_DIR, FINETUNE_DIR, checkpoint_step, latest_checkpoint
+from gsm8kctl.artifacts.rundir import (CHECKPOINTS_DIR, FINETUNE_DIR, FINETUNE_RESULT_FILE, LAUNCH_FILE,
+                                       checkpoint_step, latest_checkpoint)
 from gsm8kctl.artifacts.samples import read_samples
 from gsm8kctl.errors import StageFailed, UserError
 from gsm8kctl.procs import free_port
 from gsm8kctl.progress import say, warn
-from gsm8kctl.training.trainer import (RESULT_FILE, Trainer, use_bf16, plan_phase,
-                               start_state)
+from gsm8kctl.training.trainer import Trainer, use_bf16, plan_phase, start_state
 
-LAUNCH_FILE = "launch.json"
 OBJECTIVES = ("sft", "reinforce", "grpo")
 
 
@@ -247,7 +246,7 @@ def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: boo
             "cfg": cfg, "start": start, "resume": resume, "quiet": quiet,
             "metrics_path": str(Path(metrics_path).resolve()) if metrics_path else None}
     atomic_write_json(fdir / LAUNCH_FILE, spec)
-    (fdir / RESULT_FILE).unlink(missing_ok=True)
+    (fdir / FINETUNE_RESULT_FILE).unlink(missing_ok=True)
     mp = "bf16" if use_bf16(cfg["finetune"]["dtype"], torch.cuda.is_available()) else "no"
     # --multi_gpu selects accelerate's torchrun launcher; without CUDA it runs MULTI_CPU (gloo).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
@@ -266,7 +265,7 @@ def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: boo
         # torchrun stops the other workers when one fails; a hung collective ends at nccl_timeout_s.
         raise StageFailed(f"a finetune worker failed (exit {rc}, its output is above) and the others were "
                           f"stopped; the last checkpoint in {out_dir} is intact: rerun the same command to resume")
-    return json.loads((fdir / RESULT_FILE).read_text(encoding="utf-8"))
+    return json.loads((fdir / FINETUNE_RESULT_FILE).read_text(encoding="utf-8"))
 
 
 def _worker_main(argv: list[str]) -> int:

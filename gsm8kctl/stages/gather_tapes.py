@@ -39,8 +39,7 @@ from gsm8kctl.artifacts.jsonl import write_jsonl
 from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_replaceable, is_inside
 from gsm8kctl.artifacts.tapes import TAPE_KEYS
 from gsm8kctl.errors import UserError
-from gsm8kctl.progress import console
-from gsm8kctl.progress import warn as progress_warn
+from gsm8kctl.progress import console, warn as progress_warn
 
 # What a directory walk reads; files named explicitly are read whatever their name.
 _WALK_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gsm8kctl.artifacts.data import problems_by_id, split_problems
 from gsm8kctl.artifacts.paths import SAVED_CONFIG, check_output_file, check_replaceable
-from gsm8kctl.artifacts.tapes import LLM_CALLS_FILE
+from gsm8kctl.artifacts.rundir import LLM_CALLS_FILE
 from gsm8kctl.config import save_config
 from gsm8kctl.progress import say
 from gsm8kctl.sampling.attempts import check_calls_db, existing_output, open_backend, run_attempts

@@ -34,16 +34,14 @@ from typing import Sequence
 
 from gsm8kctl import oom
 from gsm8kctl.artifacts.jsonl import JsonlAppender, atomic_write_json, read_jsonl, write_jsonl
-from gsm8kctl.artifacts.rundir import (FINETUNE_DIR, OPTIMIZER_FILE, TRAINING_STATE_DIR, TRAINING_STATE_FILE, checkpoint_tmp,
-                             checkpoint_dir, latest_checkpoint, publish_checkpoint, training_state)
+from gsm8kctl.artifacts.rundir import (DATASET_STATS_FILE, FINETUNE_DIR, FINETUNE_METRICS_FILE, FINETUNE_RESULT_FILE,
+                                       OPTIMIZER_FILE, TRAINING_STATE_DIR, TRAINING_STATE_FILE, checkpoint_dir,
+                                       checkpoint_tmp, latest_checkpoint, publish_checkpoint, training_state)
 from gsm8kctl.artifacts.samples import samples_stats, stats_table
 from gsm8kctl.config import save_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.progress import console, say, warn
 
-METRICS_FILE = "metrics.jsonl"
-DATASET_STATS_FILE = "dataset_stats.jsonl"
-RESULT_FILE = "last_run.json"
 CONFIG_COPY = "finetune.yaml"
 
 
@@ -400,7 +398,7 @@ class Trainer:
 
         # Output files, dataset statistics (printed and saved once per phase)
         fdir = self.out_dir / FINETUNE_DIR
-        metrics_file = Path(metrics_path) if metrics_path else fdir / METRICS_FILE
+        metrics_file = Path(metrics_path) if metrics_path else fdir / FINETUNE_METRICS_FILE
         stats = samples_stats(samples)
         if self.main:
             fdir.mkdir(parents=True, exist_ok=True)
@@ -671,7 +669,7 @@ class Trainer:
         result = {"step": self.step, "target": plan.target, "phase_start": plan.phase_start, "steps_run": ran,
                   "checkpoint": str(ckpt) if ckpt else None, "last_metrics": last}
         if self.main and self.world > 1:
-            atomic_write_json(self.out_dir / FINETUNE_DIR / RESULT_FILE, result)
+            atomic_write_json(self.out_dir / FINETUNE_DIR / FINETUNE_RESULT_FILE, result)
         self.accelerator.wait_for_everyone()
         return result
 

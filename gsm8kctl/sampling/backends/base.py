@@ -22,12 +22,20 @@ class Completion:
     latency_s: float = 0.0  # wall time of the request/batch that produced it, shared by a batch
 
 
+def _sampling_default(key: str):
+    from gsm8kctl.config import setting
+
+    return setting(None, f"sampling.{key}")
+
+
 @dataclass
 class SamplingParams:
+    """What one sampling call asks for. Left out, temperature, top_p and max_tokens are the
+    config's `sampling.*` defaults (default.yaml, sized for this machine): stated in one place."""
     n: int = 1
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    max_tokens: int = 512
+    temperature: float = field(default_factory=lambda: _sampling_default("temperature"))  # 0 = greedy
+    top_p: float = field(default_factory=lambda: _sampling_default("top_p"))
+    max_tokens: int = field(default_factory=lambda: _sampling_default("max_tokens"))
     seed: int | None = None
     # One seed per completion, prompt-major (len(prompts) * n); overrides `seed`. The sample
     # stage derives them from tape ids, so an attempt redone after a crash draws the same tokens.

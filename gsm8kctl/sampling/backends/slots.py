@@ -45,8 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from gsm8kctl.errors import UserError
-from gsm8kctl.sampling.backends.decode_attention import DecodeAttention
-from gsm8kctl.sampling.backends.decode_attention import available as split_k_available
+from gsm8kctl.sampling.backends.decode_attention import DecodeAttention, available as split_k_available
 from gsm8kctl.sampling.backends.sampling import choose, uniforms
 from gsm8kctl.sampling.hostgate import HostGate
 
