@@ -202,6 +202,24 @@ def start_supervised(cmd: list[str], *, grace_s: float = 5.0, token: str | None 
     return proc
 
 
+def start_child(cmd: list[str], *, env: dict | None = None) -> subprocess.Popen:
+    """A plain child, for a process that already runs under a supervisor (which ends the whole
+    tree with it): the loop's sampler shards, finetune's `accelerate launch`. It keeps the
+    loop's talk descriptor, so its warnings and errors reach the terminal."""
+    return subprocess.Popen(cmd, env=env, pass_fds=talk_fds())
+
+
+def call_child(cmd: list[str], *, env: dict | None = None) -> int:
+    """`start_child` and wait: its exit code; the child is killed if the wait is interrupted."""
+    proc = start_child(cmd, env=env)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 @dataclass(frozen=True)
 class StageRecord:
     """What the loop saves in state.json about the stage it runs, to stop it after a crash."""

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
+from gsm8kctl.procs import start_child
 
 
 
@@ -75,7 +75,7 @@ def shard_env(k: int) -> dict:
 def main(argv: list[str]) -> int:
     """Run the stage commands of a spec file side by side; stop all when one fails."""
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    procs = [subprocess.Popen([sys.executable, "-m", "gsm8kctl", *args], env={**os.environ, **env})
+    procs = [start_child([sys.executable, "-m", "gsm8kctl", *args], env={**os.environ, **env})
              for args, env in zip(spec["commands"], spec["envs"])]
     failed = 0
     while any(p.poll() is None for p in procs):

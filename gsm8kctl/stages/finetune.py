@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -48,7 +47,7 @@ from gsm8kctl.artifacts.rundir import (CHECKPOINTS_DIR, FINETUNE_DIR, FINETUNE_R
                                        checkpoint_step, latest_checkpoint)
 from gsm8kctl.artifacts.samples import read_samples
 from gsm8kctl.errors import StageFailed, UserError
-from gsm8kctl.procs import free_port
+from gsm8kctl.procs import call_child, free_port
 from gsm8kctl.progress import say, warn
 from gsm8kctl.training.trainer import Trainer, use_bf16, plan_phase, start_state
 
@@ -258,7 +257,7 @@ def _launch(paths, samples, out_dir: Path, cfg: dict, *, start: str, resume: boo
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if not quiet:
         say(f"launching {nproc} processes: {' '.join(cmd[1:4])} ...")
-    rc = subprocess.call(cmd, env=env)
+    rc = call_child(cmd, env=env)
     if rc != 0:
         if rc == 2:
             raise UserError("finetune workers rejected their input (message above)")
