@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl
-from gsm8kctl.artifacts.rundir import LLM_CALLS_FILE, OUTPUT_LOG_FILE
+from gsm8kctl.artifacts.rundir import LLM_CALLS_FILE, OUTPUT_LOG_FILE, SHARDS_DIR
 from gsm8kctl.errors import UserError
 from gsm8kctl.procs import TALK_FD_ENV, StageRecord, run_stage
 from gsm8kctl.progress import say
