@@ -75,3 +75,39 @@ def test_a_full_log_is_a_named_oserror_and_keeps_no_half_batch(tmp_path):
         llm_calls.insert_calls(db, rows[2:])
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
     assert db.execute("SELECT count(*) FROM llm_calls").fetchone()[0] == 2
+
+
+def test_a_log_killed_mid_checkpoint_is_not_refused_as_truncated(tmp_path):
+    """Killed while sqlite copies its -wal into the file, a log's header can count more pages than
+    the file holds yet; the -wal still has them. check_log lets it through, and the log opens
+    with every row. The same file without its -wal is refused."""
+    import shutil
+    import sqlite3
+
+    live = tmp_path / "live" / "c.sqlite"
+    live.parent.mkdir()
+    db = llm_calls.open_log(str(live))
+    db.conn.execute("PRAGMA wal_autocheckpoint=0")
+    rows = [{"id": f"call-{i}", "tape_id": f"t-{i}", "completion": "x" * 2000} for i in range(50)]
+    llm_calls.insert_calls(db, rows)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for suffix in ("", "-wal"):  # what a kill -9 leaves: the file and its -wal, not checkpointed
+        shutil.copy(str(live) + suffix, killed / ("c.sqlite" + suffix))
+    db.conn.close()
+    copy = killed / "c.sqlite"
+    with open(copy, "r+b") as f:  # the header written ahead of the pages behind it
+        header = bytearray(f.read(100))
+        header[28:32] = (int.from_bytes(header[28:32], "big") + 40).to_bytes(4, "big")
+        f.seek(0)
+        f.write(header)
+    llm_calls.check_log(copy)
+    conn = sqlite3.connect(copy)
+    assert conn.execute(f"SELECT count(*) FROM {llm_calls.TABLE}").fetchone()[0] == 50
+    conn.close()
+    lone = tmp_path / "lone" / "c.sqlite"
+    lone.parent.mkdir()
+    with open(copy, "rb") as src, open(lone, "wb") as dst:
+        dst.write(header + src.read()[100:])
+    with pytest.raises(Exception, match="truncated SQLite database"):
+        llm_calls.check_log(lone)

@@ -68,7 +68,9 @@ def check_log(path: str | Path) -> None:
 
     Cheap whatever the size: the 100-byte header (magic, page size, page count against the file
     size, which catches a truncated copy) and the schema, read with `immutable=1` so that the
-    check itself creates no -wal/-shm file and changes nothing.
+    check itself creates no -wal/-shm file and changes nothing. A log with a -wal left by a
+    killed writer is read through it: the header may be ahead of the file until sqlite completes
+    the checkpoint from the -wal.
     """
     p = Path(path)
     if not p.exists():
@@ -89,12 +91,17 @@ def check_log(path: str | Path) -> None:
     page_size = int.from_bytes(header[16:18], "big")
     page_size = 65536 if page_size == 1 else page_size
     pages = int.from_bytes(header[28:32], "big")
-    # The header's page count is valid when its change counter matches "version-valid-for".
-    if header[24:28] == header[92:96] and pages and size < pages * page_size:
+    # The header's page count is valid when its change counter matches "version-valid-for". A
+    # writer killed in the middle of a checkpoint can leave the header ahead of the file while
+    # its -wal still holds every page: sqlite completes the checkpoint from it on the next open.
+    wal = p.with_name(p.name + "-wal")
+    pending_wal = wal.exists() and wal.stat().st_size > 0
+    if header[24:28] == header[92:96] and pages and size < pages * page_size and not pending_wal:
         raise UserError(f"{p}: truncated SQLite database ({size} bytes, its header says "
                         f"{pages * page_size}){hint}")
     try:
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+        # With a -wal pending, read through it (the schema may be there only); else touch nothing.
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro{'' if pending_wal else '&immutable=1'}", uri=True)
         try:
             tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
             columns = {r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")}
