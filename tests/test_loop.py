@@ -683,10 +683,15 @@ def test_sigkill_during_a_vllm_phase_leaves_no_process(smollm2_dir, tmp_path):
     with open(tmp_path / "loop.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # it ended between the listing and the read
+            return b""
+
     def engine_started() -> bool:
         pgid = _state(run_dir).get("child_pgid")
-        return bool(pgid) and any(b"VLLM::" in Path(f"/proc/{p}/cmdline").read_bytes()
-                                  for p in live_descendants(pgid) if _running(p))
+        return bool(pgid) and any(b"VLLM::" in cmdline(p) for p in live_descendants(pgid) if _running(p))
 
     try:
         _wait_for(engine_started, proc, timeout=600)
