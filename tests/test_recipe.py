@@ -1,5 +1,5 @@
 """The default recipe's parts on a CPU: sizes that follow the machine, the validation split, the
-stop when an iteration gives nothing to learn from, one seed meaning one run, and the seeds and
+stop when an iteration has no reward signal, one seed meaning one run, and the seeds and
 control commands on the tiny model."""
 
 import json
@@ -102,9 +102,9 @@ def test_a_loop_without_signal_stops_with_exit_1_and_resumes(tmp_path, tiny_mode
     proc = run_cli(*args)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: ") and "stopped after 2 iterations in a row with nothing to learn from" in last
+    assert last.startswith("Error: ") and "stopped after 2 iterations in a row without a reward signal" in last
     assert "raise sampling.max_tokens (now 6)" in last and "Traceback" not in proc.stderr
-    assert "warning: iteration 0 gave nothing to learn from" in proc.stderr
+    assert "warning: iteration 0 has no reward signal: no attempt of" in proc.stderr
     rows = list(read_jsonl(run / "metrics.jsonl"))
     assert [r["iteration"] for r in rows] == [-1, 0, 1] and rows[1]["no_signal"] and rows[2]["no_signal"]
     state = json.loads((run / "state.json").read_text())

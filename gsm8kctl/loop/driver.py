@@ -103,7 +103,8 @@ def iteration_warnings(row: dict, earlier: list[dict], cfg: dict) -> list[str]:
 
 
 def no_signal(row: dict, cfg: dict) -> str | None:
-    """Why an iteration (its metrics.jsonl line) gave training nothing to learn from, and the keys
+    """Why an iteration (its metrics.jsonl line) gave training no reward signal (no correct attempt, or
+    every group scored alike; a format-only difference does not teach answers), and the keys
     that change it; None when it did. Told apart by what the attempts did: ran out of tokens,
     never wrote the answer format, wrote it and were wrong, or scored alike within every group."""
     if not row.get("attempts"):
@@ -293,7 +294,7 @@ class _Context:
         self._summary()
 
     def _stop_without_signal(self, it: int) -> None:
-        """Stop (exit 1) after `stop_without_signal` iterations in a row gave nothing to learn from,
+        """Stop (exit 1) after `stop_without_signal` iterations in a row without a reward signal,
         rather than spend the rest of the run the same way. The state is saved: a rerun goes on."""
         limit = self.cfg["stop_without_signal"]
         if not limit:
@@ -303,7 +304,7 @@ class _Context:
         trained = [r for r in rows if r.get("attempts")]
         streak = trained[-limit:]
         if len(streak) == limit and all(r.get("no_signal") for r in streak) and streak[-1]["iteration"] == it:
-            raise Stopped(f"{self.run_dir}: stopped after {limit} iterations in a row with nothing to learn from "
+            raise Stopped(f"{self.run_dir}: stopped after {limit} iterations in a row without a reward signal "
                           f"(stop_without_signal={limit}); the last: {streak[-1]['no_signal']}. Change the config "
                           "and rerun the same command to go on from here")
 
@@ -485,7 +486,7 @@ class _Context:
         for w in guard:
             warn(f"iteration {it}: {w}", self.quiet)
         if row["no_signal"]:
-            warn(f"iteration {it} gave nothing to learn from: {row['no_signal']}", self.quiet)
+            warn(f"iteration {it} has no reward signal: {row['no_signal']}", self.quiet)
         write_jsonl(path, rows + [row])  # atomic rewrite: a rerun of this phase never duplicates a line
         plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
         _report_to(self.cfg["report_to"], row, self.run_dir, self.quiet)
