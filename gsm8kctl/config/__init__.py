@@ -3,10 +3,10 @@
 One merge function, no object instantiation. Overrides are `key.sub=value` or `+key.sub=value`
 (Hydra's "add" syntax, accepted as a plain override); values parse as YAML scalars. Typed CLI
 options (--attempts, --max-tokens ...) merge last. The merged config is then checked once,
-completely, against the typed schema in `config/schema.py` (each override also as it is merged,
-so an option that wins cannot hide it): a bad value is one UserError that names the key and where
-the value came from (the file, the override or the option), raised before any model loads or
-file is written. The config stays a plain dict (`cfg["sampling"]["max_tokens"]`).
+completely, against the typed schema in `config/schema.py`, pydantic models (each override also
+as it is merged, so an option that wins cannot hide it): a bad value is one UserError that names
+the key and where the value came from (the file, the override or the option), raised before any
+model loads or file is written. The config stays a plain dict (`cfg["sampling"]["max_tokens"]`).
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def _checked(dotted: str, value: Any, where: str) -> Any:
     if value == sizes.AUTO and dotted in sizes.SIZE_KEYS:
         return value  # filled in for the machine once every source is merged
     try:
-        return schema.check_value(schema.field_type(dotted), value)
+        return schema.check_value(dotted, value)
     except schema.Invalid as exc:
-        raise UserError(f"{where}: {dotted} {exc.explain(value)}") from None
+        raise UserError(f"{where}: {dotted} {exc}") from None
 
 
 def _merge(base: dict, update: dict, where: str, origins: dict[str, str], prefix: str = "",
@@ -178,7 +178,7 @@ def validate(cfg: dict, origins: Mapping[str, str] | None = None, command: str |
     """Check `cfg` against the schema, normalising it in place (1 -> 1.0 for a float key); returns it.
 
     `origins` maps dotted keys to the source that set them, for the error; `command` adds the
-    rules only that CLI command needs (config_schema.RULES). Raises the first problem as UserError.
+    rules only that CLI command needs (schema.RULES). Raises the first problem as UserError.
     """
     origins = origins or {}
     for key, problem in schema.check_config(cfg):
