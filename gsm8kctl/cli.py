@@ -42,6 +42,9 @@ CallsOpt = Annotated[Optional[str], typer.Option("--llm-calls", help="LLM call l
                                                                       "llm_calls.sqlite next to the output.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show what the libraries print (logs, warnings, "
+                                                                  "progress bars) here too; without it, it goes to "
+                                                                  "output.log beside the output only.")]
 Overrides = Annotated[Optional[list[str]], typer.Argument(help="Config overrides key.sub=value.",
                                                           show_default=False)]
 
@@ -120,6 +123,14 @@ def _handle_errors(fn):
     return wrapper
 
 
+def _libraries_logged(out_dir: Optional[Path], verbose: bool):
+    """What libraries print during a stage goes to OUT_DIR/output.log (progress.library_output_kept)."""
+    from gsm8kctl.artifacts.rundir import OUTPUT_LOG_FILE
+    from gsm8kctl.progress import library_output_kept
+
+    return library_output_kept(None if verbose or out_dir is None else out_dir / OUTPUT_LOG_FILE)
+
+
 def _problem_ids(text: Optional[str], count: Optional[int], count_option: str) -> Optional[list[str]]:
     """--problem-ids as a list; one that names no id is refused, not read as "all problems"."""
     if text is None:
@@ -172,6 +183,7 @@ def sample(
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
     quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
     overrides: Overrides = None,
 ):
     """Sample ATTEMPTS completions per problem; append tapes (rerun = resume)."""
@@ -183,8 +195,9 @@ def sample(
                      "sampling.max_tokens": max_tokens, "seed": seed,
                      "data_dir": str(data_dir) if data_dir else None})
     ids = _problem_ids(problem_ids, n_problems, "--n-problems")
-    result = run(cfg, out=out, split=split, n_problems=n_problems, problem_ids=ids, calls_db=llm_calls,
-                 iteration=iteration, quiet=quiet)
+    with _libraries_logged(None if out == "-" else Path(out).parent, verbose):
+        result = run(cfg, out=out, split=split, n_problems=n_problems, problem_ids=ids, calls_db=llm_calls,
+                     iteration=iteration, quiet=quiet)
     say(f"{result['tapes']} tapes written ({result['skipped']} already there), {result['tokens_per_s']:.0f} tok/s",
         quiet)
 
@@ -208,6 +221,7 @@ def evaluate(
     config: ConfigOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
     overrides: Overrides = None,
 ):
     """Greedy accuracy on a split (default test), strict (\\boxed{}) and lenient side by side."""
@@ -219,8 +233,9 @@ def evaluate(
     ids = _problem_ids(problem_ids, limit, "--limit")
     if limit is None and split == "test":
         limit = cfg["eval_limit"]  # eval_limit is the loop's test budget; a validation split is small already
-    metrics = run(cfg, out_dir=out, limit=limit, split=split,
-                  calls_db=llm_calls, iteration=iteration, quiet=quiet, problem_ids=ids)
+    with _libraries_logged(Path(out), verbose):
+        metrics = run(cfg, out_dir=out, limit=limit, split=split,
+                      calls_db=llm_calls, iteration=iteration, quiet=quiet, problem_ids=ids)
     if json_out:
         _print_json(metrics)
     elif not quiet:
@@ -267,16 +282,18 @@ def filter_(
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
     quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
 ):
     """Turn tapes into training samples: rejection sampling, or all with advantages (+ KL)."""
     from gsm8kctl.stages.filter import run_filter
 
     paths, overrides = _split_paths(tapes)
     cfg = _config(config, overrides, model=model, data_dir=str(data_dir) if data_dir else None)
-    run_filter(paths, out, cfg, mode=mode, max_per_problem=max_per_problem,
-               drop_uniform_groups=drop_uniform_groups, ref_model=ref_model, ref_backend=ref_backend,
-               gold=gold, split=split, model=model, n_problems=n_problems,
-               data_dir=str(data_dir) if data_dir else None, quiet=quiet)
+    with _libraries_logged(None if out == "-" else Path(out).parent, verbose):
+        run_filter(paths, out, cfg, mode=mode, max_per_problem=max_per_problem,
+                   drop_uniform_groups=drop_uniform_groups, ref_model=ref_model, ref_backend=ref_backend,
+                   gold=gold, split=split, model=model, n_problems=n_problems,
+                   data_dir=str(data_dir) if data_dir else None, quiet=quiet)
 
 
 @app.command()
@@ -294,6 +311,7 @@ def finetune(
     config: ConfigOpt = None,
     quiet: QuietOpt = False,
     json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ):
     """Train the latest checkpoint (or --init) on samples; resumable, multi-process with accelerate."""
     from gsm8kctl.progress import say
@@ -303,8 +321,9 @@ def finetune(
     if not paths:
         raise UserError("no samples files given")
     cfg = _config(config, overrides, model=model)
-    summary = run_finetune(paths, out, cfg, init=init, objective=objective, num_processes=num_processes,
-                           steps=steps, max_steps=max_steps, quiet=quiet)
+    with _libraries_logged(Path(out), verbose):
+        summary = run_finetune(paths, out, cfg, init=init, objective=objective, num_processes=num_processes,
+                               steps=steps, max_steps=max_steps, quiet=quiet)
     if json_out:
         _print_json(summary)
     elif not quiet and summary and describe_result(summary):

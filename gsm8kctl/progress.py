@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -58,6 +61,70 @@ def library_output_to(log_path: str | os.PathLike) -> None:
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     os.environ[TALK_FD_ENV] = str(talk)
     _talk_to(talk)
+
+
+# Set to "terminal" by a loop run with -v: its stage processes show what libraries print, too.
+LIBRARY_OUTPUT_ENV = "GSM8KCTL_LIBRARY_OUTPUT"
+
+
+@contextlib.contextmanager
+def library_output_kept(log_path: Path | None):
+    """A stage command run by hand: what libraries print meanwhile, here and in the processes it
+    starts (vLLM's logs, weight-loading progress bars, FutureWarnings), is held in a temporary file
+    and at the end appended to `log_path` (output.log beside the stage's output), once its
+    directory exists; our talk stays on the terminal. Where there is nowhere to keep it (the run stopped before writing anything), the
+    held text goes to stderr as it would have. Nothing is held without a `log_path` (`-o -`),
+    under the loop (which logs already, or shows it with -v), or with GSM8KCTL_DEBUG=1."""
+    if (log_path is None or talk_fds() or os.environ.get("GSM8KCTL_DEBUG")
+            or os.environ.get(LIBRARY_OUTPUT_ENV) == "terminal"):
+        yield
+        return
+    held_fd, held = tempfile.mkstemp(prefix="gsm8kctl-", suffix=".log")
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.set_inheritable(saved[1], True)  # our talk, also for the processes we start
+    os.dup2(held_fd, 1)  # fd 1 is a copy of stderr (keep_stdout_for_data); the data stream is not on it
+    os.dup2(held_fd, 2)
+    os.close(held_fd)
+    os.environ[TALK_FD_ENV] = str(saved[1])
+    _talk_to(saved[1])
+    # A library's print() too. Only `-o -` writes data on stdout inside a stage, and it holds
+    # nothing; --json prints after the block, on the data stream restored below.
+    data, sys.stdout = sys.stdout, open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    failed = False
+    try:
+        yield
+    except BaseException as exc:
+        from gsm8kctl.errors import UserError
+
+        failed = not isinstance(exc, UserError)  # bad input keeps its one line
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stdout = data
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        os.environ.pop(TALK_FD_ENV, None)
+        console.file = sys.stderr
+        _keep_held(Path(held), log_path, point_at_it=failed)
+
+
+def _keep_held(held: Path, log_path: Path, point_at_it: bool) -> None:
+    text = held.read_bytes()
+    held.unlink()
+    if not text:
+        return
+    if log_path.parent.is_dir():
+        with open(log_path, "ab") as log:
+            log.write(text)
+        if point_at_it:
+            say(f"what the libraries printed is in {log_path}", verbatim=True)
+    else:
+        sys.stderr.buffer.write(text)
+        sys.stderr.flush()
 
 
 def talk_from_parent() -> None:

@@ -3,7 +3,8 @@ puts this file's folder on PYTHONPATH under that name).
 
 With GSM8KCTL_TEST_CHATTER set, every sampling call (in the loop's process or a stage's) first
 prints the way libraries do: a line on stdout and on stderr, a FutureWarning, a logging warning,
-each carrying the marker CHATTER.
+each carrying the marker CHATTER. With GSM8KCTL_TEST_CHATTER=fail the call then fails, as a
+library's crash would.
 """
 
 import os
@@ -22,6 +23,8 @@ if os.environ.get("GSM8KCTL_TEST_CHATTER"):
         print("CHATTER on stderr", file=sys.stderr, flush=True)
         warnings.warn("CHATTER as a FutureWarning", FutureWarning)
         logging.getLogger("somelibrary").warning("CHATTER as a log record")
+        if os.environ["GSM8KCTL_TEST_CHATTER"] == "fail":
+            raise RuntimeError("the library failed")
         return real(self, *args, **kwargs)
 
     TransformersBackend.generate_iter = generate_iter

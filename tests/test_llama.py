@@ -129,7 +129,7 @@ def test_a_sample_process_on_our_decoder_imports_no_transformers(tiny_model_dir,
     out = tmp_path / "t.jsonl"
     proc = run_cli("sample", "--model", tiny_model_dir, "--backend", "transformers", "-o", str(out),
                    "--max-tokens", "6", "--n-problems", "2", "--attempts", "2", "transformers.static_cache=true",
-                   "transformers.model_code=native",
+                   "transformers.model_code=native", "-v",  # -v: the interpreter's import profile on stderr
                    env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(out.read_text().splitlines()) == 4

@@ -234,3 +234,34 @@ def test_the_loop_keeps_library_output_in_its_log(tmp_path, tiny_model_dir, engi
     loud = run_cli(*args, "--run-dir", str(tmp_path / "loud"), "-v", env=env)
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert "CHATTER on stderr" in loud.stderr and not (tmp_path / "loud" / "output.log").exists()
+
+
+def test_a_stage_run_by_hand_keeps_library_output_beside_its_output(tmp_path, tiny_model_dir):
+    """`sample` and `evaluate`: what libraries print goes to output.log beside the output, the data
+    stream stays clean; with -v on the terminal; after a failure the error says where it is."""
+    chatter = tmp_path / "site"
+    chatter.mkdir()
+    shutil.copy(REPO / "tests" / "library_chatter.py", chatter / "sitecustomize.py")
+    env = {"PYTHONPATH": str(chatter), "GSM8KCTL_TEST_CHATTER": "1"}
+    common = ["--model", tiny_model_dir, "--backend", "transformers", "--max-tokens", "4"]
+    out = tmp_path / "s"
+    out.mkdir()
+    proc = run_cli("sample", *common, "--n-problems", "2", "--attempts", "2", "-o", str(out / "t.jsonl"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHATTER" not in proc.stderr + proc.stdout and "4 tapes written" in proc.stderr
+    log = (out / "output.log").read_text()
+    for what in ("on stdout", "on stderr", "as a FutureWarning", "as a log record"):
+        assert f"CHATTER {what}" in log, what
+    ev = run_cli("evaluate", *common, "--limit", "2", "-o", str(tmp_path / "ev"), "--json", env=env)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads(ev.stdout)["n"] == 2 and "CHATTER" not in ev.stderr  # --json: stdout is the JSON alone
+    assert "CHATTER on stderr" in (tmp_path / "ev" / "output.log").read_text()
+    loud = run_cli("evaluate", *common, "--limit", "2", "-o", str(tmp_path / "loud"), "-v", env=env)
+    assert loud.returncode == 0 and "CHATTER on stderr" in loud.stderr
+    assert not (tmp_path / "loud" / "output.log").exists()
+    failed = run_cli("sample", *common, "--n-problems", "1", "-o", str(out / "f.jsonl"),
+                     env={**env, "GSM8KCTL_TEST_CHATTER": "fail"})
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 1 and "CHATTER" not in failed.stderr, failed.stderr[-3000:]
+    assert lines[-2] == f"what the libraries printed is in {out / 'output.log'}"
+    assert lines[-1].startswith("Internal error: RuntimeError: the library failed")

@@ -29,7 +29,7 @@ from gsm8kctl.config import save_config
 from gsm8kctl.errors import Stopped, UserError
 from gsm8kctl.loop.curriculum import choose_problems, read_pass_rates, record_pass_rates
 from gsm8kctl.procs import StageRecord
-from gsm8kctl.progress import WARNINGS_ENV, console, library_output_to, say, warn
+from gsm8kctl.progress import LIBRARY_OUTPUT_ENV, WARNINGS_ENV, console, library_output_to, say, warn
 from gsm8kctl.stages.stats import tape_stats
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +206,8 @@ def loop(cfg: dict, run_dir: str, *, quiet: bool = False, sizes: dict | None = N
     run.mkdir(parents=True, exist_ok=True)
     if library_log:
         library_output_to(run / OUTPUT_LOG_FILE)
+    else:
+        os.environ[LIBRARY_OUTPUT_ENV] = "terminal"  # and its stage processes keep it there too
     from gsm8kctl.config.sizes import describe
 
     if sizes:
