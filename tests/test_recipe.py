@@ -220,8 +220,11 @@ def test_the_loop_keeps_library_output_in_its_log(tmp_path, tiny_model_dir, engi
     chatter.mkdir()
     shutil.copy(REPO / "tests" / "library_chatter.py", chatter / "sitecustomize.py")
     env = {"PYTHONPATH": str(chatter), "GSM8KCTL_TEST_CHATTER": "1"}
+    # One iteration's sample, filter and finetune phases, without warm start or evaluations: every
+    # phase that could print is a stage process under the processes engine.
     args = ["loop", "--model", tiny_model_dir, *SMALL, f"loop.engine={engine}", "--iterations", "1",
-            "stop_without_signal=0", "filter.drop_uniform_groups=false", "finetune.rl.use_advantages=false"]
+            "warmup_sft_steps=0", "test_every_n_iterations=0", "stop_without_signal=0",
+            "filter.drop_uniform_groups=false", "finetune.rl.use_advantages=false"]
     run = tmp_path / "run"
     proc = run_cli(*args, "--run-dir", str(run), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
