@@ -23,9 +23,15 @@ class OutOfMemory(Stopped):
     """The smallest size still did not fit: exit 1 with `describe()`'s line."""
 
 
+# What CUDA libraries say when they cannot allocate: their own handles and workspaces lie outside
+# torch's allocator, so on a full GPU they fail with a RuntimeError, not an OutOfMemoryError.
+ALLOC_FAILED = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
+                "cusolver_status_alloc_failed", "cufft_alloc_failed", "cudaerrormemoryallocation")
+
+
 def is_oom(exc: BaseException) -> bool:
-    """A failed allocation: torch's OutOfMemoryError (CUDA), a MemoryError, or a CUDA/cuBLAS
-    error whose message says out of memory."""
+    """A failed allocation: torch's OutOfMemoryError (CUDA), a MemoryError, or a RuntimeError of
+    CUDA or one of its libraries (cuBLAS, cuDNN, ...) that says it could not allocate."""
     if isinstance(exc, MemoryError):
         return True
     try:
@@ -34,7 +40,32 @@ def is_oom(exc: BaseException) -> bool:
         return False
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in message for marker in ALLOC_FAILED)
+
+
+# Outside torch's allocator: the CUDA context and the libraries' handles and workspaces.
+OUTSIDE_ALLOCATOR = 2**30
+
+
+def allocator_fraction(share: float, total: int) -> float | None:
+    """The cap on torch's allocator for a process with `share` of a GPU of `total` bytes: its
+    share less what lies outside the allocator; None (no cap) for the whole GPU."""
+    if share >= 1:
+        return None
+    return max(0.01, (share * total - OUTSIDE_ALLOCATOR) / total)
+
+
+def keep_to_share(share: float) -> None:
+    """Under gpu_memory_share < 1, cap torch's allocator at this process's share of the GPU. A peak
+    above it then fails in this process, as an out-of-memory that is retried smaller, instead of
+    taking the memory of the loops beside it (whose own peaks would then fail)."""
+    import torch
+
+    if share >= 1 or not torch.cuda.is_available():
+        return
+    fraction = allocator_fraction(share, torch.cuda.mem_get_info()[1])
+    torch.cuda.set_per_process_memory_fraction(fraction)
 
 
 def retried(message: str) -> None:

@@ -1,9 +1,10 @@
 """A fault for out-of-memory tests, loaded into a real `gsm8kctl` subprocess as `sitecustomize`
 (the test puts this file's folder on PYTHONPATH under that name).
 
-GSM8KCTL_TEST_OOM="WHERE:ROWS:TIMES[,WHERE:ROWS:TIMES...]" makes WHERE raise
-torch.OutOfMemoryError on its first TIMES calls (-1 = every call) that carry more than ROWS
-rows, as an allocator would fail on batches above a size. WHERE is `train` (the trainer's loss
+GSM8KCTL_TEST_OOM="WHERE:ROWS:TIMES[:KIND][,...]" makes WHERE raise torch.OutOfMemoryError on
+its first TIMES calls (-1 = every call) that carry more than ROWS rows, as an allocator would
+fail on batches above a size. KIND `cublas` raises instead the RuntimeError that cuBLAS gives
+when it cannot allocate its handle or workspace (seen on a full GPU). WHERE is `train` (the trainer's loss
 over a micro-batch), `score` (the transformers backend's scoring), `sample` (the transformers
 backend's batched decode) or `slots` (making the slot engine's KV pool, ROWS = slots).
 """
@@ -13,7 +14,7 @@ import os
 spec = os.environ.get("GSM8KCTL_TEST_OOM")
 
 
-def _fault(where: str, rows: str, times: str):
+def _fault(where: str, rows: str, times: str, kind: str = "torch"):
     import torch
 
     left = {"n": int(times)}
@@ -21,6 +22,8 @@ def _fault(where: str, rows: str, times: str):
     def fail(n_rows: int) -> None:
         if n_rows > int(rows) and left["n"] != 0:
             left["n"] -= 1
+            if kind == "cublas":
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
             raise torch.OutOfMemoryError(f"injected: {n_rows} rows > {rows} ({where})")
 
     return fail
@@ -64,5 +67,5 @@ def _install(where: str, fail) -> None:
 
 if spec:
     for part in spec.split(","):
-        where, rows, times = part.split(":")
-        _install(where, _fault(where, rows, times))
+        where, *args = part.split(":")
+        _install(where, _fault(where, *args))

@@ -44,12 +44,14 @@ def clean_run(tiny_model_dir, gold, tmp_path_factory) -> Path:
     return run
 
 
-def test_finetune_retries_smaller_and_learns_the_same(tiny_model_dir, gold, clean_run, tmp_path):
+@pytest.mark.parametrize("fault", ["train:2:3", "train:2:3:cublas"])
+def test_finetune_retries_smaller_and_learns_the_same(tiny_model_dir, gold, clean_run, tmp_path, fault):
     """Micro-batches of more than 2 samples fail 3 times: the budget halves until they fit, and
-    the same samples feed the same steps."""
+    the same samples feed the same steps. A cuBLAS allocation failure (a RuntimeError, not torch's
+    OutOfMemoryError) is an out-of-memory too."""
     run = tmp_path / "run"
     proc = run_cli("finetune", str(gold), "--out", str(run), "--init", tiny_model_dir, *FT,
-                   env=_fault_env(tmp_path, "train:2:3"))
+                   env=_fault_env(tmp_path, fault))
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: out of memory in finetune step")]
     assert len(warned) == 3 and warned[-1].endswith("retried in micro-batches of 1024 tokens")
@@ -183,3 +185,18 @@ def test_loops_started_together_each_keep_to_their_share():
     assert kv_room(free=4 * gib, total=140 * gib, held=1 * gib, share=0.5) == 4 * gib  # others hold the rest
     assert kv_room(free=4 * gib, total=8 * gib, held=5 * gib, share=0.5) == 0
     assert gpu_share({"gpu_memory_share": "auto"}) == 1.0 and gpu_share({"gpu_memory_share": 0.25}) == 0.25
+
+
+def test_a_loop_with_a_share_caps_its_allocator_within_it():
+    """Under gpu_memory_share < 1 torch's allocator is capped at the share less 1 GiB (the CUDA
+    context and library workspaces lie outside it), so six loops at 1/6 each fit the GPU together;
+    the whole GPU is not capped, and on a CPU nothing is set."""
+    from gsm8kctl.oom import OUTSIDE_ALLOCATOR, allocator_fraction, keep_to_share
+
+    gib = 2**30
+    total = 80 * gib
+    assert allocator_fraction(1.0, total) is None
+    sixth = allocator_fraction(1 / 6, total)
+    assert 6 * (sixth * total + OUTSIDE_ALLOCATOR) == pytest.approx(total)
+    assert allocator_fraction(0.001, total) == 0.01  # a tiny share still gets a usable cap
+    keep_to_share(0.5)  # no CUDA here: a no-op, not an error

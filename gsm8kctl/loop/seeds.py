@@ -97,7 +97,8 @@ def memory_plan_line(cfg: dict, loops: int, share: float) -> str:
     the driver says how large the GPU is (nvidia-smi; this process opens no CUDA context)."""
     kv = cfg["sampling"]["kv_memory_fraction"]
     line = (f"seeds: {loops} loops at once on the GPU, each within gpu_memory_share={share:g} of its memory "
-            f"(its sampler's KV cache up to {kv:g} of that share), {loops * share:.2g} of the GPU in total")
+            f"(torch's allocator capped there, its sampler's KV cache up to {kv:g} of it), "
+            f"{loops * share:.2g} of the GPU in total")
     total, used = _gpu_memory_gib()
     if total:
         line += (f": {share * total:.1f} GiB per loop, {loops * share * total:.1f} of {total:.1f} GiB "

@@ -39,6 +39,7 @@ from gsm8kctl.artifacts.rundir import (DATASET_STATS_FILE, FINETUNE_DIR, FINETUN
                                        checkpoint_tmp, latest_checkpoint, publish_checkpoint, training_state)
 from gsm8kctl.artifacts.samples import samples_stats, stats_table
 from gsm8kctl.config import save_config
+from gsm8kctl.config.sizes import gpu_share
 from gsm8kctl.errors import UserError
 from gsm8kctl.progress import console, say, warn
 
@@ -309,6 +310,7 @@ class Trainer:
         self.quiet = quiet or not self.main
         set_seed(int(cfg["seed"]) + self.rank)
         if self.cuda:
+            oom.keep_to_share(gpu_share(cfg))
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 

@@ -84,6 +84,8 @@ class TransformersBackend:
     def __init__(self, model: str, cfg: dict, *, device: str | None = None, dtype: str = "auto"):
         self.model = model
         self.device = device or pick_device()
+        if self.device == "cuda":
+            oom.keep_to_share(gpu_share(cfg))
         attention = cfg["transformers"]["decode_attention"]
         # Refused before the model loads; what the GPU itself cannot run, the engine refuses (slots.py).
         check_decode_attention(attention, self.device)
