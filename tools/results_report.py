@@ -4,14 +4,19 @@
         --reference "base zero-shot=runs/base0/metrics.json" --plot docs/results.png --json docs/results.json
 
 Each RUN[=LABEL] is a loop run directory. Per run, one table row:
-- test strict and lenient accuracy at the last evaluation and at the best one (by strict), with
-  the iteration of the best, and the mean strict over every evaluation after the first;
+- test strict accuracy of the checkpoint chosen on validation (the evaluation with the best
+  validation strict, the earliest of equals, as the loop keeps it), with its iteration: the figure
+  to report;
+- test strict and lenient accuracy at the last evaluation and at the best one (by test strict:
+  chosen on the test set, so biased upwards), with the iteration of the best, and the mean strict
+  over every evaluation after the first;
 - wall time: the sum of every recorded phase's seconds (state.json timings), warm start excluded
   (it is shared by runs that start from the same checkpoint), and the same up to the best;
 - samples used: attempts sampled and samples trained, summed over the iterations.
 
-`--reference LABEL=PATH` adds a row from an `evaluate` metrics.json (the base model zero-shot,
-4-shot, ...). The plot has one panel per curve (test strict, test lenient, train success,
+`--until N` reads each run up to iteration N only: runs of different lengths compared at one
+budget. `--reference LABEL=PATH` adds a row from an `evaluate` metrics.json (the base model
+zero-shot, 4-shot, ...). The plot has one panel per curve (test and validation strict, test lenient, train success,
 pass@k, mean KL to the reference, mean entropy, mean completion length) against cumulative wall
 time, one line per run. The markdown table goes to stdout.
 """
@@ -23,15 +28,16 @@ import json
 import os
 from pathlib import Path
 
-CURVES = (("test_accuracy_strict", "test strict"), ("test_accuracy_lenient", "test lenient"),
+CURVES = (("test_accuracy_strict", "test strict"), ("validation_accuracy_strict", "validation strict"),
+          ("test_accuracy_lenient", "test lenient"),
           ("train_success_rate", "train success"), ("pass_at_k", "train pass@k (k = attempts)"),
           ("train_kl_mean", "KL to reference (mean per step)"), ("train_entropy_mean", "entropy (mean per step)"),
           ("mean_output_tokens", "mean completion tokens"))
 
 
-def load_run(path: Path, label: str) -> dict:
+def load_run(path: Path, label: str, until: int | None = None) -> dict:
     rows = [json.loads(line) for line in open(path / "metrics.jsonl", encoding="utf-8")]
-    rows.sort(key=lambda r: r["iteration"])
+    rows = sorted((r for r in rows if until is None or r["iteration"] <= until), key=lambda r: r["iteration"])
     # An iteration evaluates first, then samples and trains: its test point is at the end of its
     # evaluate, its train point at the end of the iteration (weights_refresh is inside finetune).
     elapsed, eval_elapsed, t = [], [], 0.0
@@ -51,6 +57,11 @@ def load_run(path: Path, label: str) -> dict:
                    best_strict=best["test_accuracy_strict"], best_lenient=best.get("test_accuracy_lenient"),
                    best_iteration=best["iteration"], best_wall_s=best_t, test_n=last.get("test_n"),
                    first_strict=evals[0][0]["test_accuracy_strict"])
+    validated = [r for r, _ in evals if r.get("validation_accuracy_strict") is not None]
+    if validated:  # max() keeps the first of equals: the earliest, as the loop keeps its best
+        chosen = max(validated, key=lambda r: r["validation_accuracy_strict"])
+        out.update(chosen_strict=chosen["test_accuracy_strict"], chosen_iteration=chosen["iteration"],
+                   chosen_validation=chosen["validation_accuracy_strict"])
     if len(evals) > 1:  # one evaluation is noisy (0.6 points at 5 % on 1319): the mean over the run
         out["mean_strict"] = sum(r["test_accuracy_strict"] for r, _ in evals[1:]) / (len(evals) - 1)
     return out
@@ -69,17 +80,19 @@ def pct(v) -> str:
 
 
 def table(runs: list[dict], references: list[tuple[str, dict]]) -> str:
-    lines = ["| method | test strict (end) | test lenient (end) | best strict (iteration) | best lenient | "
-             "mean strict after the first | first → end strict | wall time | to best | attempts sampled | samples trained |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | chosen on validation: test strict (iteration) | test strict (end) | test lenient (end) | "
+             "best strict (iteration) | best lenient | mean strict after the first | first → end strict | wall time | "
+             "to best | attempts sampled | samples trained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in references:
-        lines.append(f"| {label} | {pct(m['accuracy_strict'])} | {pct(m['accuracy_lenient'])} | – | – | – | – | "
+        lines.append(f"| {label} | – | {pct(m['accuracy_strict'])} | {pct(m['accuracy_lenient'])} | – | – | – | – | "
                      f"{m.get('seconds', 0):.0f} s (eval) | – | – | – |")
     for r in runs:
         ratio = (f"{r['final_strict'] / r['first_strict']:.2f}×" if r.get("first_strict") else "–") \
             if "final_strict" in r else "–"
         best = f"{pct(r.get('best_strict'))} ({r.get('best_iteration', '–')})"
-        lines.append(f"| {r['label']} | {pct(r.get('final_strict'))} | {pct(r.get('final_lenient'))} | {best} | "
+        chosen = f"{pct(r['chosen_strict'])} ({r['chosen_iteration']})" if "chosen_strict" in r else "–"
+        lines.append(f"| {r['label']} | {chosen} | {pct(r.get('final_strict'))} | {pct(r.get('final_lenient'))} | {best} | "
                      f"{pct(r.get('best_lenient'))} | {pct(r.get('mean_strict'))} | {ratio} | {r['wall_s'] / 60:.1f} min | "
                      f"{r.get('best_wall_s', 0) / 60:.1f} min | {r['attempts']} | {r['samples_trained']} |")
     return "\n".join(lines)
@@ -91,7 +104,7 @@ def plot(runs: list[dict], references: list[tuple[str, dict]], path: Path, x: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
     for ax, (key, title) in zip(axes.flat, CURVES):
         for i, r in enumerate(runs):
             times = r["eval_elapsed_s"] if key.startswith("test_") else r["elapsed_s"]
@@ -124,12 +137,13 @@ def main() -> None:
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--x", choices=("wall", "iteration"), default="wall",
                     help="the plot's x axis: wall time, or iteration (runs that shared a GPU)")
+    ap.add_argument("--until", type=int, help="read each run up to this iteration only (one budget for all)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     runs = []
     for spec in args.runs:
         path, _, label = spec.partition("=")
-        runs.append(load_run(Path(path), label or Path(path).name))
+        runs.append(load_run(Path(path), label or Path(path).name, args.until))
     references = []
     for spec in args.reference:
         label, _, path = spec.partition("=")

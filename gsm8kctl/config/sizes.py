@@ -15,8 +15,9 @@ from typing import Any
 AUTO = "auto"
 MACHINES = ("gpu", "cpu")
 
-# key: (gpu, cpu). Warm-start steps: two passes over the 6973 problems left once 500 are held out
-# (64 per step) on a GPU; one pass over 96 on a CPU.
+# key: (gpu, cpu). Warm-start steps: three passes over the 6973 problems left once 500 are held out
+# (64 per step) on a GPU, which beat two passes over seeds (docs/results.md, "Recipes compared");
+# one pass over 96 on a CPU.
 SIZE_KEYS: dict[str, tuple[Any, Any]] = {
     "iterations": (48, 1),
     "attempts": (16, 4),
@@ -24,7 +25,7 @@ SIZE_KEYS: dict[str, tuple[Any, Any]] = {
     "test_every_n_iterations": (4, 1),
     "eval_limit": (None, 30),
     "validation_problems": (500, 30),
-    "warmup_sft_steps": (218, 12),
+    "warmup_sft_steps": (327, 12),
     "warmup_sft_problems": (7473, 96),
     "warmup_sft_learning_rate": (5.0e-5, 1.0e-4),
     "sampling.max_tokens": (512, 256),
