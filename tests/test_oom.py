@@ -171,6 +171,28 @@ def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp
     assert json.loads((run / "state.json").read_text())["phase"] == "done"
 
 
+def test_a_halved_budget_grows_back_phase_by_phase(tiny_model_dir, tmp_path):
+    """In one process (the inprocess engine) the trainer keeps a budget that an out-of-memory
+    halved for the rest of its phase, then tries twice that size in each next phase, up to
+    finetune.token_budget: a passing peak does not slow every later iteration."""
+    run = tmp_path / "run"
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), "--backend", "transformers",
+                   "--iterations", "4", "--attempts", "2", "max_agent_forks=8", "sampling.max_tokens=6",
+                   "warmup_sft_steps=0", "validation_problems=0", "test_every_n_iterations=0",
+                   "filter.ref_model=null", "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false",
+                   "finetune.rl.use_advantages=false", "finetune.train_batch_size=8", "finetune.token_budget=2048",
+                   "stop_without_signal=0", "loop.engine=inprocess", env=_fault_env(tmp_path, "train:1:3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    retried = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: out of memory in finetune")]
+    assert retried[-1].endswith("retried in micro-batches of 256 tokens")  # 2048 -> 1024 -> 512 -> 256
+    steps = list(read_jsonl(run / "finetune" / "metrics.jsonl"))
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [len(s.get("oom_retries", [])) for s in steps] == [3, 0, 0, 0]  # the fault fired 3 times, in step 1
+    mbs = [s["micro_batches"] for s in steps]
+    # 256, 512, 1024, then 2048 tokens again: the 8 samples (under 2048 tokens) in one micro-batch
+    assert mbs[0] > mbs[1] > mbs[3] == 1 and mbs[1] >= mbs[2] >= mbs[3], mbs
+
+
 def test_loops_started_together_each_keep_to_their_share():
     """The KV cache is sized from what is free, never beyond this process's share of the GPU less
     what it holds already: the first of two loops at share 0.5 no longer takes the most."""

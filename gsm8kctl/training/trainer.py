@@ -398,6 +398,12 @@ class Trainer:
                 say(f"nothing to do: step {self.step} already reached the target {plan.target}")
             return self.result(plan, None, ran=0)
 
+        # A budget halved by an out-of-memory is tried at twice its size in the next phase: the
+        # memory may be back (a neighbour's peak has passed), and a halved budget kept for good
+        # made every later phase several times slower.
+        if self.token_budget is not None:
+            self.token_budget = min(2 * self.token_budget, int(ft["token_budget"]))
+
         # Output files, dataset statistics (printed and saved once per phase)
         fdir = self.out_dir / FINETUNE_DIR
         metrics_file = Path(metrics_path) if metrics_path else fdir / FINETUNE_METRICS_FILE
