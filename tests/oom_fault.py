@@ -4,8 +4,8 @@
 GSM8KCTL_TEST_OOM="WHERE:ROWS:TIMES[:KIND][,...]" makes WHERE raise torch.OutOfMemoryError on
 its first TIMES calls (-1 = every call) that carry more than ROWS rows, as an allocator would
 fail on batches above a size. KIND `cublas` raises instead the RuntimeError that cuBLAS gives
-when it cannot allocate its handle or workspace (seen on a full GPU). WHERE is `train` (the trainer's loss
-over a micro-batch), `score` (the transformers backend's scoring), `sample` (the transformers
+when it cannot allocate its handle or workspace (seen on a full GPU). WHERE is `train` (the
+trainer's loss over a micro-batch), `score` (the transformers backend's scoring), `sample` (the transformers
 backend's batched decode) or `slots` (making the slot engine's KV pool, ROWS = slots).
 """
 

@@ -537,6 +537,10 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
     assert report.returncode == 0, report.stderr
     table = {line.split("|")[1].strip(): line for line in report.stdout.splitlines()[2:]}
     assert f"| {rl[-1]['test_accuracy_strict'] * 100:.2f} % |" in table["RL"]
+    # The checkpoint chosen on validation: the first evaluation with the best validation strict.
+    chosen = max((r for r in rl if r.get("validation_accuracy_strict") is not None),
+                 key=lambda r: r["validation_accuracy_strict"])
+    assert table["RL"].split("|")[2].strip() == f"{chosen['test_accuracy_strict'] * 100:.2f} % ({chosen['iteration']})"
     assert f"| {sum(r.get('attempts', 0) for r in rl)} | {sum(r.get('samples_kept', 0) for r in rl)} |" \
         in table["RL"]
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

@@ -17,6 +17,13 @@ FAULT = REPO / "tests" / "oom_fault.py"
 FT = ["--steps", "3", "finetune.train_batch_size=8", "finetune.token_budget=8192", "finetune.dtype=float32",
       "finetune.learning_rate=1e-3", "--quiet"]
 
+# A loop of 8 attempts a phase that trains on all of them in one step of 8, with no warm start,
+# evaluation or reference model: only the phases an out-of-memory is injected into.
+LOOP = ["--backend", "transformers", "--attempts", "2", "max_agent_forks=8", "sampling.max_tokens=6",
+        "warmup_sft_steps=0", "validation_problems=0", "test_every_n_iterations=0", "filter.ref_model=null",
+        "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false", "finetune.rl.use_advantages=false",
+        "finetune.train_batch_size=8", "stop_without_signal=0"]
+
 
 def _fault_env(tmp: Path, spec: str) -> dict:
     d = tmp / "fault"
@@ -157,11 +164,7 @@ def test_sampling_gives_up_with_one_line_then_resumes(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("engine", ["inprocess", "processes"])  # the retries of this process, or of a stage's
 def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp_path, engine):
     run = tmp_path / "run"
-    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), "--backend", "transformers",
-                   "--iterations", "1", "--attempts", "2", "max_agent_forks=8", "sampling.max_tokens=6",
-                   "warmup_sft_steps=0", "validation_problems=0", "test_every_n_iterations=0",
-                   "filter.ref_model=null", "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false",
-                   "finetune.rl.use_advantages=false", "finetune.train_batch_size=8", "stop_without_signal=0",
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *LOOP, "--iterations", "1",
                    f"loop.engine={engine}", env=_fault_env(tmp_path, "sample:4:1,train:2:2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = next(r for r in read_jsonl(run / "metrics.jsonl") if r["iteration"] == 0)
@@ -176,12 +179,8 @@ def test_a_halved_budget_grows_back_phase_by_phase(tiny_model_dir, tmp_path):
     halved for the rest of its phase, then tries twice that size in each next phase, up to
     finetune.token_budget: a passing peak does not slow every later iteration."""
     run = tmp_path / "run"
-    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), "--backend", "transformers",
-                   "--iterations", "4", "--attempts", "2", "max_agent_forks=8", "sampling.max_tokens=6",
-                   "warmup_sft_steps=0", "validation_problems=0", "test_every_n_iterations=0",
-                   "filter.ref_model=null", "finetune.rl.kl_coef=0", "filter.drop_uniform_groups=false",
-                   "finetune.rl.use_advantages=false", "finetune.train_batch_size=8", "finetune.token_budget=2048",
-                   "stop_without_signal=0", "loop.engine=inprocess", env=_fault_env(tmp_path, "train:1:3"))
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *LOOP, "--iterations", "4",
+                   "finetune.token_budget=2048", "loop.engine=inprocess", env=_fault_env(tmp_path, "train:1:3"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     retried = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: out of memory in finetune")]
     assert retried[-1].endswith("retried in micro-batches of 256 tokens")  # 2048 -> 1024 -> 512 -> 256

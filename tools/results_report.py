@@ -16,9 +16,9 @@ Each RUN[=LABEL] is a loop run directory. Per run, one table row:
 
 `--until N` reads each run up to iteration N only: runs of different lengths compared at one
 budget. `--reference LABEL=PATH` adds a row from an `evaluate` metrics.json (the base model
-zero-shot, 4-shot, ...). The plot has one panel per curve (test and validation strict, test lenient, train success,
-pass@k, mean KL to the reference, mean entropy, mean completion length) against cumulative wall
-time, one line per run. The markdown table goes to stdout.
+zero-shot, 4-shot, ...). The plot has one panel per curve (test and validation strict, test
+lenient, train success, pass@k, mean KL to the reference, mean entropy, mean completion length)
+against cumulative wall time, one line per run. The markdown table goes to stdout.
 """
 
 from __future__ import annotations
