@@ -192,6 +192,29 @@ def test_a_halved_budget_grows_back_phase_by_phase(tiny_model_dir, tmp_path):
     assert mbs[0] > mbs[1] > mbs[3] == 1 and mbs[1] >= mbs[2] >= mbs[3], mbs
 
 
+@pytest.mark.parametrize("cache, spec, said", [
+    # Batches of 8 rows: 8, 4 and 2 fail in iteration 0; iteration 1 tries 2 again (and fails).
+    ("transformers.static_cache=false", "sample:1:4", [["8 rows per batch", "4 rows per batch", "2 rows per batch"],
+                                                       ["2 rows per batch"], [], [], []]),
+    # The slot engine: pools of 16, 8 and 4 fail in iteration 0; iteration 1 tries 4 again (and fails).
+    ("transformers.static_cache=true", "slots:2:4", [["16 slots", "8 slots", "4 slots"], ["4 slots"], [], [],
+                                                                           []]),
+])
+def test_a_halved_sampler_grows_back_phase_by_phase(tiny_model_dir, tmp_path, cache, spec, said):
+    """In one process the sampler keeps the size an out-of-memory left for the rest of its call,
+    then tries twice that size in each next call: a passing peak does not slow every later
+    iteration. Had the size stayed halved, iteration 1 would have failed nothing."""
+    run = tmp_path / "run"
+    proc = run_cli("loop", "--model", tiny_model_dir, "--run-dir", str(run), *LOOP, "--iterations", "4", cache,
+                   "sampling.batch_size=8", "sampling.max_slots=16", "loop.engine=inprocess",
+                   env=_fault_env(tmp_path, spec))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted(read_jsonl(run / "metrics.jsonl"), key=lambda r: r["iteration"])  # 0-3, and 4's evaluation
+    sizes = [[w.split(": the ")[0].split("sampling with ")[1] for w in r.get("warnings") or []
+              if w.startswith("out of memory sampling")] for r in rows]
+    assert sizes == said, proc.stderr[-3000:]
+
+
 def test_loops_started_together_each_keep_to_their_share():
     """The KV cache is sized from what is free, never beyond this process's share of the GPU less
     what it holds already: the first of two loops at share 0.5 no longer takes the most."""

@@ -115,7 +115,7 @@ class TransformersBackend:
             self.model_obj.to(self.device).eval()
         self.text = completion_text(self.tokenizer)
         s = cfg["sampling"]
-        self.batch_size = s["batch_size"]
+        self.batch_size = self.full_batch_size = s["batch_size"]
         self.max_slots, self.kv_fraction = s["max_slots"], s["kv_memory_fraction"]
         self.gpu_share = gpu_share(cfg)
         self.prefill_budget = s["prefill_token_budget"]
@@ -157,6 +157,7 @@ class TransformersBackend:
             raise UserError(f"a prompt of {longest} tokens + max_tokens {params.max_tokens} exceeds the model's "
                             f"context of {self.context} tokens")
         seeds = completion_seeds(params, len(rows))
+        self._grow_back()
         # Out of memory (a shared GPU filled up), the attempts not yet finished run again on a
         # smaller engine (half the slots) or in half the batch (gsm8kctl/oom.py). A completion's
         # tokens come from its own seed's stream, so the split changes nothing beyond the float
@@ -215,6 +216,15 @@ class TransformersBackend:
         oom.retried(f"out of memory sampling with {size} {what}: the {unfinished} unfinished attempts "
                     f"again with {max(1, size // 2)}")
 
+    def _grow_back(self) -> None:
+        """A size an out-of-memory halved is tried at twice its size in the next call (as the
+        trainer's budget is): the memory may be back (a neighbour's peak has passed), and a pool
+        halved for good made every later phase slower."""
+        if self.slot_cap:
+            self.slot_cap *= 2  # `_slot_engine` bounds it by what the memory plan gives
+            self._engine = None
+        self.batch_size = min(2 * self.batch_size, self.full_batch_size)
+
     def _slot_engine(self, need: int) -> SlotEngine:
         """The engine, made once and kept (graphs, cache); remade only when a call needs longer slots."""
         max_len = -(-need // 128) * 128
@@ -225,24 +235,37 @@ class TransformersBackend:
         self._engine = None
         cfg = self.model_obj.config
         dtype = next(self.model_obj.parameters()).dtype
-        if self.slot_cap:  # an out-of-memory halved the pool: later engines keep the size that fit
-            slots = min(self.slot_cap, self.max_slots or self.slot_cap)
-        elif self.device == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            room = kv_room(free, total, torch.cuda.memory_reserved(), self.gpu_share)
-            slots = plan_slots(cfg, dtype, max_len, max_slots=self.max_slots, fraction=self.kv_fraction,
-                               free_bytes=room)
+        cap = self.slot_cap  # set when an out-of-memory halved the pool; doubled in each call since
+        if cap and self.max_slots:
+            planned = self.max_slots  # set by hand: not checked against the memory again
         else:
-            import psutil
-
-            slots = plan_slots(cfg, dtype, max_len, max_slots=self.max_slots or self.batch_size, fraction=1.0,
-                               free_bytes=psutil.virtual_memory().available)
+            try:
+                planned = self._plan_slots(cfg, dtype, max_len)
+            except UserError:
+                if not cap:
+                    raise
+                planned = None  # the plan finds no room now: keep to the cap
+        slots = min(cap, planned or cap) if cap else planned
+        if cap and planned is not None and planned < cap:
+            self.slot_cap = None  # grown back past the plan: the plan rules again
         self._planned_slots = slots
         self._engine = SlotEngine(self.model_obj, slots=slots, max_len=max_len, stop_ids=self.stop_ids,
                                   pad_id=self.pad_id, prefill_token_budget=self.prefill_budget,
                                   attention=self.decode_attention)
         return self._engine
+
+    def _plan_slots(self, cfg, dtype, max_len: int) -> int:
+        """Slots the memory holds now: this process's share of the GPU, or the host's free memory."""
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            room = kv_room(free, total, torch.cuda.memory_reserved(), self.gpu_share)
+            return plan_slots(cfg, dtype, max_len, max_slots=self.max_slots, fraction=self.kv_fraction,
+                              free_bytes=room)
+        import psutil
+
+        return plan_slots(cfg, dtype, max_len, max_slots=self.max_slots or self.batch_size, fraction=1.0,
+                          free_bytes=psutil.virtual_memory().available)
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams):
