@@ -1,16 +1,15 @@
 """Out of memory: an expected event on a shared GPU, not an internal error.
 
 A GPU is often shared (several seeds at once, other programs), so an allocation can fail at any
-phase. Where work can be split smaller without changing what is computed, the phase retries
-smaller a bounded number of times: the trainer halves its micro-batch token budget (the same
-samples feed the same optimizer step; only the split into micro-batches differs), scoring halves
-its chunk, the sampler halves its slots (the KV pool is made again) or its batch, and runs the
-attempts not yet finished again (each attempt's tokens come from its own seed). A halved size
-holds for the rest of its phase; the next phase tries twice it, up to the configured size, since
-a neighbour's peak passes. Each retry is one
-warning line, and an entry in the iteration's `warnings` in the loop's metrics.jsonl. When the smallest size fails too, `OutOfMemory` ends
-the command with exit 1 and one line: what this process holds, what others hold, and that the
-same command resumes.
+phase. Where work can be split smaller without changing what is computed, the phase retries smaller
+a bounded number of times: the trainer halves its micro-batch token budget (the same samples feed
+the same optimizer step; only the split into micro-batches differs), scoring halves its chunk, the
+sampler halves its slots (the KV pool is made again) or its batch, and runs the attempts not yet
+finished again (each attempt's tokens come from its own seed). A halved size holds for the rest of
+its phase; the next phase tries twice it, up to the configured size, since a neighbour's peak
+passes. Each retry is one warning line, and an entry in the iteration's `warnings` in the loop's
+metrics.jsonl. When the smallest size fails too, `OutOfMemory` ends the command with exit 1 and one
+line: what this process holds, what others hold, and that the same command resumes.
 """
 
 from __future__ import annotations
