@@ -13,8 +13,9 @@
 # done, then writes the small results (metrics, state, configs, logs; no checkpoints, tapes or
 # evaluations) to $OUT/results.tgz [DIR/results.tgz]. Rerun `start` on the same DIR to resume both.
 # Reads: MODEL, the SmolLM2-135M-Instruct directory [$SMOLLM2]; GSM8K_DIR, the GSM8k data
-# directory; PYTHON [python3]; EXTRA, key=value overrides appended to both commands; HEADLINE=0 starts
-# the seeds alone (then each loop gets 1/R of the GPU, as `gsm8kctl seeds` plans it by itself).
+# directory; PYTHON [python3]; EXTRA, key=value overrides appended to both commands; RUNS, which
+# to start [seeds a8]: `seeds` alone gives each loop 1/R of the GPU (as `gsm8kctl seeds` plans it
+# by itself), `a8` alone runs the headline command on the whole GPU, as a user would.
 set -u
 cmd=${1:?start or poll} dir=${2:?the directory of the runs}
 PY=${PYTHON:-python3}
@@ -26,9 +27,11 @@ if [ "$cmd" = start ]; then
   rm -rf "$dir/app" && mkdir -p "$dir/app" && cp -r gsm8kctl "$dir/app/" && cp -r "$GSM8K_DIR" "$dir/app/gsm8k"
   export PYTHONPATH=$dir/app${PYTHONPATH:+:$PYTHONPATH} GSM8K_DIR=$dir/app/gsm8k PYTHONUNBUFFERED=1
   cd "$dir/app"
-  setsid bash -c "$PY -m gsm8kctl seeds --run-dir '$dir/seeds' --seeds ${3:-1,2,3} model=$model ${EXTRA:-} > '$dir/seeds.out' 2>&1; echo \$? > '$dir/seeds.rc'" < /dev/null > /dev/null 2>&1 &
-  # The seeds' loops each take 1/3 of the sampler's default KV share; this one the same.
-  [ "${HEADLINE:-1}" = 0 ] || setsid bash -c "$PY -m gsm8kctl loop --attempts 8 --run-dir '$dir/a8' model=$model sampling.kv_memory_fraction=0.1 ${EXTRA:-} > '$dir/a8.out' 2>&1; echo \$? > '$dir/a8.rc'" < /dev/null > /dev/null 2>&1 &
+  runs=" ${RUNS:-seeds a8} "
+  [[ $runs = *" seeds "* ]] && setsid bash -c "$PY -m gsm8kctl seeds --run-dir '$dir/seeds' --seeds ${3:-1,2,3} model=$model ${EXTRA:-} > '$dir/seeds.out' 2>&1; echo \$? > '$dir/seeds.rc'" < /dev/null > /dev/null 2>&1 &
+  # Beside the seeds, whose loops each take 1/3 of the sampler's default KV share, this one the same.
+  share=$([[ $runs = *" seeds "* ]] && echo sampling.kv_memory_fraction=0.1)
+  [[ $runs = *" a8 "* ]] && setsid bash -c "$PY -m gsm8kctl loop --attempts 8 --run-dir '$dir/a8' model=$model $share ${EXTRA:-} > '$dir/a8.out' 2>&1; echo \$? > '$dir/a8.rc'" < /dev/null > /dev/null 2>&1 &
   sleep 2; echo started; exit 0
 fi
 [ "$cmd" = poll ] || { echo "unknown command $cmd: start or poll" >&2; exit 2; }
@@ -44,11 +47,11 @@ last=rows[-1]
 print(sys.argv[1].split('/')[-2], 'it', last['iteration'], 'evals', ' '.join(f\"{r['iteration']}:{r['test_accuracy_strict']:.3f}/{r.get('validation_accuracy_strict') or 0:.3f}\" for r in ev[-6:]), 'succ', last.get('train_success_rate'))" "$m"
   done
   ls "$dir"/*.rc 2>/dev/null | xargs -r tail -n1
-  [ -f "$dir/seeds.rc" ] && { [ -f "$dir/a8.rc" ] || [ ! -f "$dir/a8.out" ]; } && break
+  { [ -f "$dir/seeds.rc" ] || [ ! -f "$dir/seeds.out" ]; } && { [ -f "$dir/a8.rc" ] || [ ! -f "$dir/a8.out" ]; } && break
   [ "$(date +%s)" -ge "$end" ] && break
   sleep 60
 done
-tail -n 25 "$dir/seeds.out" $(ls "$dir/a8.out" 2>/dev/null) | grep -v "it/s\]" | cut -c1-400
+tail -n 25 $(ls "$dir"/seeds.out "$dir"/a8.out 2>/dev/null) | grep -v "it/s\]" | cut -c1-400
 results=${OUT:-$dir}/results.tgz
 mkdir -p "$(dirname "$results")"
 (cd "$dir" && tar czf "$results" --exclude='*/checkpoints' --exclude='*/iterations' --exclude='*/eval' \
