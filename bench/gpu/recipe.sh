@@ -22,12 +22,13 @@ PY=${PYTHON:-python3}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 if [ "$cmd" = start ]; then
+  runs=" ${RUNS:-seeds a8} "
+  for r in $runs; do [ "$r" = seeds ] || [ "$r" = a8 ] || { echo "RUNS: unknown run '$r' (seeds, a8)" >&2; exit 2; }; done
   model=${MODEL:-${SMOLLM2:?set MODEL or SMOLLM2 to the model directory (or source bench/gpu/prepare.sh)}}
   : "${GSM8K_DIR:?set GSM8K_DIR to the GSM8k data directory}"
   rm -rf "$dir/app" && mkdir -p "$dir/app" && cp -r gsm8kctl "$dir/app/" && cp -r "$GSM8K_DIR" "$dir/app/gsm8k"
   export PYTHONPATH=$dir/app${PYTHONPATH:+:$PYTHONPATH} GSM8K_DIR=$dir/app/gsm8k PYTHONUNBUFFERED=1
   cd "$dir/app"
-  runs=" ${RUNS:-seeds a8} "
   [[ $runs = *" seeds "* ]] && setsid bash -c "$PY -m gsm8kctl seeds --run-dir '$dir/seeds' --seeds ${3:-1,2,3} model=$model ${EXTRA:-} > '$dir/seeds.out' 2>&1; echo \$? > '$dir/seeds.rc'" < /dev/null > /dev/null 2>&1 &
   # Beside the seeds, whose loops each take 1/3 of the sampler's default KV share, this one the same.
   share=$([[ $runs = *" seeds "* ]] && echo sampling.kv_memory_fraction=0.1)
