@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export GSM8K_DIR ?= $(abspath ../shared/data/gsm8k)
+# Test files run in this many processes (pytest-xdist); each file stays in one process.
+TEST_WORKERS ?= 2
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: install demo test test-fast test-vllm bench clean
@@ -34,7 +36,7 @@ demo: install
 	$(VENV)/bin/gsm8kctl loop --run-dir runs/demo
 
 test: install
-	$(PY) -m pytest -x -q --timeout=900
+	$(PY) -m pytest -x -q --timeout=900 -n $(TEST_WORKERS) --dist loadfile
 
 test-vllm: install
 	$(PY) -m pytest -x -q -m vllm --timeout=900
