@@ -22,7 +22,8 @@ def test_embedded_model_converts_with_fixed_eos(smollm2_dir):
 
 def test_first_conversion_says_one_line_and_shows_no_progress_bars(tmp_path):
     """A fresh cache converts the embedded GGUF: the user reads our one line, not the progress bars
-    of transformers' conversion, loading and writing (those show with GSM8KCTL_DEBUG=1)."""
+    of transformers' conversion, loading and writing (those show with GSM8KCTL_DEBUG=1). Two
+    processes converting at once (two test workers, two loops) both succeed on one copy."""
     import os
     import subprocess
     import sys
@@ -30,12 +31,21 @@ def test_first_conversion_says_one_line_and_shows_no_progress_bars(tmp_path):
     env = {**os.environ, "GSM8KCTL_CACHE": str(tmp_path / "cache")}
     env.pop("GSM8KCTL_DEBUG", None)
     code = "from gsm8kctl.artifacts.models import resolve_model; print(resolve_model('smollm2-135m'))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     target = tmp_path / "cache" / "models" / "smollm2-135m"
-    assert proc.stdout.strip() == str(target) and (target / "model.safetensors").is_file()
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("converting the embedded model smollm2-135m"), proc.stderr
+    said = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        assert out.strip() == str(target)
+        lines = [line for line in err.splitlines() if line.strip()]
+        # One line each, or none from a process that started after the other had finished.
+        assert len(lines) <= 1 and all(x.startswith("converting the embedded model smollm2-135m") for x in lines), err
+        said += lines
+    assert said
+    assert (target / "model.safetensors").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-135m"]  # no half copy left
     # Converted once: a second call finds it and says nothing.
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stderr.strip() == "", again.stderr

@@ -213,10 +213,12 @@ def _embedded_dir(name: str) -> Path:
     try:
         with _library_output_held():
             convert_gguf(gguf, tmp)
-        if target.exists():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+            shutil.rmtree(tmp)  # another process converted it first: keep its copy
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
