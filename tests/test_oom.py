@@ -174,6 +174,23 @@ def test_loop_records_the_retries_in_the_iterations_warnings(tiny_model_dir, tmp
     assert json.loads((run / "state.json").read_text())["phase"] == "done"
 
 
+@pytest.mark.parametrize("engine", ["inprocess", "processes"])
+def test_a_loop_out_of_memory_exits_1_with_one_clear_line_then_resumes(tiny_model_dir, tmp_path, engine):
+    """Even one row fails: the loop stops with exit 1 (not 2, not an internal error) under either
+    engine, and the same command resumes to the end."""
+    run = tmp_path / "run"
+    args = ["loop", "--model", tiny_model_dir, "--run-dir", str(run), *LOOP, "--iterations", "1",
+            f"loop.engine={engine}"]
+    proc = run_cli(*args, env=_fault_env(tmp_path, "sample:0:-1"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
+    assert errors and "out of memory" in errors[0] and "resume" in errors[-1], proc.stderr[-3000:]
+    assert "Internal error" not in proc.stderr and "Traceback" not in proc.stderr
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run / "state.json").read_text())["phase"] == "done"
+
+
 def test_a_halved_budget_grows_back_phase_by_phase(tiny_model_dir, tmp_path):
     """In one process (the inprocess engine) the trainer keeps a budget that an out-of-memory
     halved for the rest of its phase, then tries twice that size in each next phase, up to

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl
 from gsm8kctl.artifacts.rundir import LLM_CALLS_FILE, OUTPUT_LOG_FILE, SHARDS_DIR
-from gsm8kctl.errors import UserError
+from gsm8kctl.errors import EXIT_BAD_INPUT, StageFailed, UserError
 from gsm8kctl.procs import TALK_FD_ENV, StageRecord, run_stage
 from gsm8kctl.progress import say
 
@@ -213,8 +213,10 @@ class ProcessEngine:
         if rc != 0:
             log = self.run_dir / OUTPUT_LOG_FILE
             where = f" (what it printed besides: {log})" if os.environ.get(TALK_FD_ENV) else ""
-            raise UserError(f"{args[0]} failed (exit {rc}) in {self.run_dir}{where}; fix the cause and rerun the "
-                            "same command to resume")
+            # The loop exits as its stage did: 2 for input the stage refused, 1 for anything else.
+            error = UserError if rc == EXIT_BAD_INPUT else StageFailed
+            raise error(f"{args[0]} failed (exit {rc}) in {self.run_dir}{where}; fix the cause and rerun the "
+                        "same command to resume")
 
 
 # ---------------------------------------------------------------------------------------------
