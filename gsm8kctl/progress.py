@@ -73,7 +73,7 @@ def library_output_kept(log_path: Path | None):
     starts (vLLM's logs, weight-loading progress bars, FutureWarnings), is held in a temporary file
     and at the end appended to `log_path` (output.log beside the stage's output), once its
     directory exists; our talk stays on the terminal. Where there is nowhere to keep it (the run stopped before writing anything), the
-    held text goes to stderr as it would have. Nothing is held without a `log_path` (`-o -`),
+    held text goes to stderr as it would have, unless the run refused its input (one line, then). Nothing is held without a `log_path` (`-o -`),
     under the loop (which logs already, or shows it with -v), or with GSM8KCTL_DEBUG=1."""
     if (log_path is None or talk_fds() or os.environ.get("GSM8KCTL_DEBUG")
             or os.environ.get(LIBRARY_OUTPUT_ENV) == "terminal"):
@@ -122,9 +122,10 @@ def _keep_held(held: Path, log_path: Path, point_at_it: bool) -> None:
             log.write(text)
         if point_at_it:
             say(f"what the libraries printed is in {log_path}", verbatim=True)
-    else:
+    elif point_at_it:  # a failure before anything was written: its cause may be in there
         sys.stderr.buffer.write(text)
         sys.stderr.flush()
+    # Refused input with nowhere to keep the text: the user reads the one line that says why.
 
 
 def talk_from_parent() -> None:

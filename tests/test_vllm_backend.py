@@ -290,3 +290,18 @@ def test_close_stops_the_engine(backend):
         time.sleep(0.2)
     alive = [p for p in backend.engine_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not alive
+
+
+def test_a_head_size_vllm_cannot_run_on_the_cpu_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """vLLM's CPU attention has kernels for some head sizes only (the tiny model's is 8): without
+    this check its engine dies at the first step, and the cause shows only in vLLM's own log."""
+    from tests.conftest import run_cli
+
+    out = tmp_path / "out" / "tapes.jsonl"
+    proc = run_cli("sample", "--backend", "vllm", "--model", tiny_model_dir, "--n-problems", "1",
+                   "--attempts", "1", "--max-tokens", "4", "-o", str(out))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {tiny_model_dir}/config.json: head size 8"), proc.stderr
+    assert "use backend=transformers" in lines[0]
+    assert not out.exists()

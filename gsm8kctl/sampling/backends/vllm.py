@@ -69,6 +69,25 @@ def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
+def check_cpu_head_size(model: str) -> None:
+    """Refuse, before the engine starts, a model whose head size vLLM's CPU attention has no kernel
+    for: its engine would die at the first step with an error only its own log shows."""
+    config_path = Path(model) / "config.json"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        import json
+
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    except (ImportError, AttributeError, OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return  # another vLLM, a hub id, or a config without these keys: the engine decides
+    if head_size not in supported:
+        raise UserError(f"{config_path}: head size {head_size} (head_dim, or hidden_size / num_attention_heads); "
+                        f"vLLM on the CPU runs head sizes {', '.join(map(str, supported))}: use backend=transformers")
+
+
 def engine_dtype(dtype: str) -> str:
     """vllm.dtype for vLLM's --dtype: `auto` is bfloat16 on a GPU or a CPU with native bfloat16, and
     float32 on other CPUs, where emulated bfloat16 generated 33 tokens/s against 108 in float32
@@ -319,6 +338,7 @@ class VLLMBackend:
             utilization = float(gpu_memory_utilization or setting(cfg, "vllm.gpu_memory_utilization"))
             engine_args["gpu_memory_utilization"] = round(utilization * gpu_share(cfg), 4)
         else:
+            check_cpu_head_size(model)
             engine_args.update(CPU_ENGINE_ARGS)
         engine_args.update(engine_kwargs)
         t0 = time.perf_counter()
