@@ -72,8 +72,9 @@ def library_output_kept(log_path: Path | None):
     """A stage command run by hand: what libraries print meanwhile, here and in the processes it
     starts (vLLM's logs, weight-loading progress bars, FutureWarnings), is held in a temporary file
     and at the end appended to `log_path` (output.log beside the stage's output), once its
-    directory exists; our talk stays on the terminal. Where there is nowhere to keep it (the run stopped before writing anything), the
-    held text goes to stderr as it would have, unless the run refused its input (one line, then). Nothing is held without a `log_path` (`-o -`),
+    directory exists; our talk stays on the terminal. Where there is nowhere to keep it (the run
+    stopped before writing anything), the held text goes to stderr as it would have, unless the
+    run refused its input (its one line says why). Nothing is held without a `log_path` (`-o -`),
     under the loop (which logs already, or shows it with -v), or with GSM8KCTL_DEBUG=1."""
     if (log_path is None or talk_fds() or os.environ.get("GSM8KCTL_DEBUG")
             or os.environ.get(LIBRARY_OUTPUT_ENV) == "terminal"):

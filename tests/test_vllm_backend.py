@@ -16,6 +16,7 @@ from gsm8kctl.artifacts.chat import render_prompt
 from gsm8kctl.artifacts.data import load_problems
 from gsm8kctl.config import default_config
 from gsm8kctl.sampling.backends import SamplingParams, get_backend
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.vllm
 import vllm  # noqa: E402,F401 - make install puts it there; missing must fail, not skip
@@ -295,8 +296,6 @@ def test_close_stops_the_engine(backend):
 def test_a_head_size_vllm_cannot_run_on_the_cpu_is_refused_in_one_line(tiny_model_dir, tmp_path):
     """vLLM's CPU attention has kernels for some head sizes only (the tiny model's is 8): without
     this check its engine dies at the first step, and the cause shows only in vLLM's own log."""
-    from tests.conftest import run_cli
-
     out = tmp_path / "out" / "tapes.jsonl"
     proc = run_cli("sample", "--backend", "vllm", "--model", tiny_model_dir, "--n-problems", "1",
                    "--attempts", "1", "--max-tokens", "4", "-o", str(out))

@@ -22,6 +22,7 @@ import contextlib
 import ctypes.util
 import glob
 import hashlib
+import json
 import os
 import re
 import sys
@@ -77,8 +78,6 @@ def check_cpu_head_size(model: str) -> None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         supported = CPUAttentionBackend.get_supported_head_sizes()
-        import json
-
         config = json.loads(config_path.read_text(encoding="utf-8"))
         head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     except (ImportError, AttributeError, OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
