@@ -92,13 +92,14 @@ def library_output_kept(log_path: Path | None):
     # A library's print() too. Only `-o -` writes data on stdout inside a stage, and it holds
     # nothing; --json prints after the block, on the data stream restored below.
     data, sys.stdout = sys.stdout, open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-    failed = False
+    failed = refused = False
     try:
         yield
     except BaseException as exc:
         from gsm8kctl.errors import UserError
 
-        failed = not isinstance(exc, UserError)  # bad input keeps its one line
+        refused = isinstance(exc, UserError)  # bad input keeps its one line
+        failed = not refused
         raise
     finally:
         sys.stdout.flush()
@@ -110,10 +111,10 @@ def library_output_kept(log_path: Path | None):
             os.close(fd)
         os.environ.pop(TALK_FD_ENV, None)
         console.file = sys.stderr
-        _keep_held(Path(held), log_path, point_at_it=failed)
+        _keep_held(Path(held), log_path, point_at_it=failed, refused=refused)
 
 
-def _keep_held(held: Path, log_path: Path, point_at_it: bool) -> None:
+def _keep_held(held: Path, log_path: Path, point_at_it: bool, refused: bool) -> None:
     text = held.read_bytes()
     held.unlink()
     if not text:
@@ -123,7 +124,7 @@ def _keep_held(held: Path, log_path: Path, point_at_it: bool) -> None:
             log.write(text)
         if point_at_it:
             say(f"what the libraries printed is in {log_path}", verbatim=True)
-    elif point_at_it:  # a failure before anything was written: its cause may be in there
+    elif not refused:  # nowhere to keep it; after a failure its cause may be in there
         sys.stderr.buffer.write(text)
         sys.stderr.flush()
     # Refused input with nowhere to keep the text: the user reads the one line that says why.
