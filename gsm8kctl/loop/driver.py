@@ -133,14 +133,14 @@ def no_signal(row: dict, cfg: dict) -> str | None:
     return None
 
 
-def _finetune_summary(run_dir: Path, samples_path: Path) -> dict:
-    """Over the finetune steps that trained on this samples file: the largest mean ratio and KL
-    (the guard reads these), and the mean loss, entropy and KL (the learning curves plot these)."""
+def _finetune_summary(run_dir: Path, samples: list[dict]) -> dict:
+    """Over the finetune steps that trained on these samples (an iteration's samples file): the
+    largest mean ratio and KL (the guard reads these), and the mean loss, entropy and KL (the
+    learning curves plot these)."""
     from gsm8kctl.artifacts.rundir import FINETUNE_METRICS_FILE
     from gsm8kctl.training.trainer import fingerprint
 
     path = run_dir / FINETUNE_DIR / FINETUNE_METRICS_FILE
-    samples = list(read_jsonl(samples_path)) if samples_path.exists() else []
     out = dict.fromkeys(("train_ratio_max", "train_kl_max", "train_loss_mean", "train_entropy_mean",
                          "train_kl_mean"))
     if not samples or not path.exists():
@@ -454,18 +454,19 @@ class _Context:
             if tapes:
                 row["model"] = tapes[0]["model"]  # the model that sampled, not the one it trained
             samples_path = self.it_dir(it) / SAMPLES_FILE
+            samples = list(read_jsonl(samples_path)) if samples_path.exists() else []  # read once: 1000s of lines
             row.update({
                 "train_success_rate": round(sum(bool(t["correct"]) for t in tapes) / max(1, len(tapes)), 4),
                 "train_accuracy_strict": st["accuracy_strict"], "train_accuracy_lenient": st["accuracy_lenient"],
                 "pass_at_k": st["pass_at_k"], "format_rate": st["format_rate"],
                 "overflow_rate": st["overflow_rate"], "mean_output_tokens": st["tokens"]["completion"]["mean"],
                 "attempts": len(tapes), "problems": st["problems"],
-                "samples_kept": sum(1 for _ in read_jsonl(samples_path)) if samples_path.exists() else 0,
+                "samples_kept": len(samples),
                 "uniform_groups": _uniform_groups(tapes),
             })
             plan = iteration_steps(row["samples_kept"], self.cfg["finetune"])
             row.update(train_steps=plan["steps"], train_passes=plan["passes"], train_steps_mode=plan["mode"],
-                       **_finetune_summary(self.run_dir, samples_path))
+                       **_finetune_summary(self.run_dir, samples))
             secs = self.state["timings"].get(str(it), {}).get("sample")
             if secs:
                 row["sample_tokens_per_s"] = round(sum(len(t["completion_token_ids"]) for t in tapes) / secs, 1)
