@@ -97,6 +97,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from gsm8kctl.config import load_config
+    from gsm8kctl.errors import UserError
     from gsm8kctl.loop import driver
     from gsm8kctl.loop.engine import choose_engine
 
@@ -132,8 +133,8 @@ def main() -> None:
     cfg = load_config(None, [f"iterations={args.iterations}", *args.overrides], command="loop", sizes_chosen=sizes)
     engine, why = choose_engine(cfg)
     if engine != "inprocess":  # a phase in a child process would leave nothing in this profile
-        sys.exit(f"the phases must run in this process to be profiled, and here they would not ({why}): "
-                 "add loop.engine=inprocess")
+        raise UserError(f"the phases must run in this process to be profiled, and here they would not ({why}): "
+                        "add loop.engine=inprocess")
     report = os.fdopen(os.dup(1), "w")  # the loop sends fd 1 to RUN/output.log from its start
     driver.loop(cfg, str(args.run_dir), quiet=True, sizes=sizes, library_log=True)
     if "prof" not in held or "wall_s" not in held:
@@ -167,4 +168,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from gsm8kctl.errors import EXIT_BAD_INPUT, UserError
+
+    try:
+        main()
+    except UserError as exc:  # a bad override, or a config this cannot profile: one line, as gsm8kctl says it
+        print(f"profile_iteration.py: {exc}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)

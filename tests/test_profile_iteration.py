@@ -39,8 +39,16 @@ def test_each_phase_of_the_profiled_iteration_is_timed(tiny_model_dir, tmp_path)
     assert "| finetune |" in proc.stdout and "| CPU operator (most self time) |" in proc.stdout
 
 
+def test_a_bad_override_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    proc = _profile(tmp_path, tiny_model_dir, "attempts=zero")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "profile_iteration.py: override 'attempts=zero': attempts must be an integer, got 'zero'"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "profile.json").exists()
+
+
 def test_phases_in_child_processes_are_refused(tiny_model_dir, tmp_path):
     proc = _profile(tmp_path, tiny_model_dir)  # loop.engine=auto: child processes on the CPU
-    assert proc.returncode == 1
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line, no traceback
     assert "add loop.engine=inprocess" in proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "profile.json").exists()
