@@ -321,3 +321,22 @@ def test_ref_model_through_the_transformers_backend(cfg, tiny_model_dir):
         lp, _ = token_logprobs(model, ids, attn, comp)
     assert s["ref_logprobs"] == pytest.approx(lp[comp].tolist(), abs=5e-3)  # the backend's own dtype/batching
     assert s["kl"] == pytest.approx(sum(o - r for o, r in zip(s["old_logprobs"], s["ref_logprobs"])), abs=1e-4)
+
+
+def test_the_list_checks_agree_with_the_rule_element_by_element():
+    """`is_int_list` and `is_number_list` take a fast path (one pass over the element types, a
+    sum for finiteness); on every edge case they must say what checking each element says."""
+    from gsm8kctl.artifacts.tapes import is_int_list, is_number, is_number_list
+
+    class Int(int):
+        pass
+
+    cases = [[], [1, 2, 3], [1, True], [False], [1, 2.0], [1.5, -0.25], [-0.5, 2], [Int(3), 4],
+             [0.1, math.nan], [math.inf], [-math.inf, math.inf], [1e308, 1e308], [-1e308, -1e308, 1.0],
+             [10 ** 400], [1, 10 ** 400], [0.5, "0.5"], [None], [[1]], "12", None, (1, 2)]
+    for x in cases:
+        is_list = isinstance(x, list)
+        assert is_int_list(x) == (is_list and all(isinstance(v, int) and not isinstance(v, bool) for v in x)), x
+        assert is_number_list(x) == (is_list and all(is_number(v) for v in x)), x
+    # finite elements whose sum overflows are finite all the same
+    assert is_number_list([1e308, 1e308]) and not is_number_list([1e308, math.inf])

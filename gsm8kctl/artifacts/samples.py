@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterable
 
 from gsm8kctl.artifacts.jsonl import read_jsonl_located, shown
-from gsm8kctl.artifacts.tapes import is_int_list, is_number
+from gsm8kctl.artifacts.tapes import is_int_list, is_number, is_number_list
 from gsm8kctl.errors import UserError
 
 SAMPLE_KEYS = (
@@ -69,7 +69,7 @@ def check_sample(record: dict, where: str, *, seq_length: int | None = None,
         lp = record.get(key)
         if lp is None:
             continue
-        if not isinstance(lp, list) or len(lp) != n_comp or not all(_is_number(v) for v in lp):
+        if not isinstance(lp, list) or len(lp) != n_comp or not is_number_list(lp):
             raise UserError(f"{where}: {key} must hold {n_comp} numbers (one per completion token)")
     for key in ("reward", "weight"):
         if not _is_number(record[key]):

@@ -42,8 +42,31 @@ def is_number(x) -> bool:
         return False
 
 
+# A list whose elements are all exactly int (or int and float) is checked by one C-level pass
+# (`set(map(type, x))`); anything else (a bool, a subclass) is judged element by element. On an
+# iteration's 4096 tapes the element-wise walk alone took 0.45 s of the filter phase.
+_INT = frozenset((int,))
+_NUMBER_TYPES = frozenset((int, float))
+
+
 def is_int_list(x) -> bool:
-    return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+    if not isinstance(x, list):
+        return False
+    return set(map(type, x)) <= _INT or all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+
+
+def is_number_list(x) -> bool:
+    """A list of finite JSON numbers (no bools). A finite sum means every element is finite
+    (a NaN or an infinity carries through a sum); a sum that overflows is checked one by one."""
+    if not isinstance(x, list):
+        return False
+    if set(map(type, x)) <= _NUMBER_TYPES:
+        try:
+            if math.isfinite(sum(x)):
+                return True
+        except OverflowError:  # an int too large for a float
+            pass
+    return all(is_number(v) for v in x)
 
 
 
@@ -72,7 +95,7 @@ def check_tape(t: dict, where: str, *, tokens: bool = False) -> dict:
     if tokens and not t["prompt_token_ids"]:
         raise UserError(f"{where}: prompt_token_ids is empty (tape {tid})")
     lp, comp = t.get("logprobs"), t.get("completion_token_ids")
-    if lp is not None and (not isinstance(lp, list) or not all(is_number(v) for v in lp)
+    if lp is not None and (not is_number_list(lp)
                            or (isinstance(comp, list) and len(lp) != len(comp))):
         raise UserError(f"{where}: logprobs must hold one finite number per completion token (tape {tid})")
     for key, typ, what in _OPTIONAL_TYPES:
