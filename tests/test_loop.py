@@ -336,6 +336,13 @@ def test_inprocess_engine_writes_what_processes_write(tiny_model_dir, reference_
     assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
     row = list(read_jsonl(run_dir / "metrics.jsonl"))[0]
     assert row["seconds"]["weights_refresh"] >= 0  # measured, and in metrics.jsonl
+    # The record phase reads the tapes the filter phase read in this process, not the file again:
+    # every row says what the other engine's rows say (times and paths aside).
+    volatile = ("seconds", "model", "sample_tokens_per_s")
+    rows = lambda run: [{k: v for k, v in r.items() if k not in volatile}  # noqa: E731
+                        for r in read_jsonl(run / "metrics.jsonl")]
+    assert rows(run_dir) == rows(reference_run)
+    assert any("train_success_rate" in r and "pass_at_k" in r for r in rows(run_dir))
     # Every stage still reruns by itself on what the engine wrote, and finds its work done.
     conn = open_readonly(run_dir / "llm_calls.sqlite")
     calls = conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0]

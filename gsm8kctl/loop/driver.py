@@ -242,6 +242,7 @@ class _Context:
         # The split that chooses the best checkpoint: never the test split while a validation one exists.
         self.select_on = "validation" if cfg["validation_problems"] else "test"
         self.engine = engine  # engine.ProcessEngine or InProcessEngine: runs each phase's stage
+        self.tapes_read: tuple[int, list[dict]] | None = None  # (iteration, its tapes) as filter read them
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -415,7 +416,10 @@ class _Context:
         self._settle(it)  # the write ran while this phase sampled
 
     def _filter(self, it: int) -> None:
-        self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE, self._reference())
+        tapes = self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE, self._reference())
+        # The tapes file does not change after the sample phase; a run resumed at finetune or
+        # record has none in memory and reads it.
+        self.tapes_read = (it, tapes) if tapes is not None else None
 
     def _reference(self) -> str | None:
         """filter.ref_model, with `start` read as the model iteration 0 sampled with; a checkpoint of
@@ -447,8 +451,9 @@ class _Context:
     def _record(self, it: int) -> None:
         row: dict = {"iteration": it, "model": self.current_model()}
         tapes_path = self.it_dir(it) / TAPES_FILE
+        held, self.tapes_read = self.tapes_read, None
         if tapes_path.exists():
-            tapes = list(read_jsonl(tapes_path))
+            tapes = held[1] if held and held[0] == it else list(read_jsonl(tapes_path))
             record_pass_rates(self.run_dir / PASS_RATES_FILE, it, tapes)
             st = tape_stats(tapes)
             if tapes:

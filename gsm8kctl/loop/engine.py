@@ -173,9 +173,11 @@ class ProcessEngine:
                             f"{self.run_dir}; fix the cause and rerun the same command to resume")
         shards.merge(tapes_file, tapes_files, self.run_dir / LLM_CALLS_FILE, calls_files, ids)
 
-    def filter(self, tapes: Path, out: Path, ref_model: str | None) -> None:
+    def filter(self, tapes: Path, out: Path, ref_model: str | None) -> list[dict] | None:
+        """None: the tapes were read in the stage's own process."""
         ref = ("--ref-model", ref_model) if ref_model else ()
         self._stage("filter", str(tapes), "-o", str(out), *ref, "--quiet")
+        return None
 
     def wait_saved(self) -> float:
         return 0.0  # the finetune stage saved before it exited
@@ -292,11 +294,15 @@ class InProcessEngine:
                calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
                backend=self._sampler(model), quiet=True)
 
-    def filter(self, tapes: Path, out: Path, ref_model: str | None) -> None:
+    def filter(self, tapes: Path, out: Path, ref_model: str | None) -> list[dict]:
+        """The tapes it read, checked: the loop's record phase uses them rather than parse the
+        file a second time (0.3-0.4 s for an iteration's 4096 tapes)."""
         from gsm8kctl.stages.filter import run_filter
 
+        read: list[dict] = []
         run_filter([str(tapes)], str(out), self.cfg, quiet=True, ref_model=ref_model,
-                   scorer=self._ref_scorer(ref_model))
+                   scorer=self._ref_scorer(ref_model), tapes_read=read)
+        return read
 
     def _ref_scorer(self, ref: str | None):
         """The reference model on the transformers backend, loaded once; None: the stage opens its own."""

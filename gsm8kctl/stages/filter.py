@@ -82,11 +82,15 @@ class FilterReport:
 # Reading tapes
 
 
-def read_tapes(paths: Iterable[str]) -> Iterable[tuple[str, dict]]:
-    """(`file:line`, tape) for every tape of the given files (`-` = stdin), checked."""
+def read_tapes(paths: Iterable[str], kept: list[dict] | None = None) -> Iterable[tuple[str, dict]]:
+    """(`file:line`, tape) for every tape of the given files (`-` = stdin), checked; each also
+    appended to `kept` when given."""
     for path in paths:
         for where, record in iter_jsonl_lines(path):
-            yield where, check_tape(record, where, tokens=True)
+            tape = check_tape(record, where, tokens=True)
+            if kept is not None:
+                kept.append(tape)
+            yield where, tape
 
 
 def _slim(t: dict) -> dict:
@@ -408,12 +412,14 @@ def run_filter(
     data_dir: str | None = None,
     quiet: bool = False,
     scorer: Scorer | None = None,
+    tapes_read: list[dict] | None = None,
 ) -> FilterReport:
     """`gsm8kctl filter`: write samples to `out` (atomic file or `-`), report on stderr.
 
     Rerunning with the same arguments rewrites the same file: nothing is ever appended twice.
     `scorer` (a `Backend.score`) stands for the reference model when tapes are filtered: the
-    loop's in-process engine keeps one loaded for the whole run.
+    loop's in-process engine keeps one loaded for the whole run. `tapes_read`, a list, receives
+    every tape read (checked), so that a caller in the same process need not parse them again.
     """
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
@@ -449,7 +455,7 @@ def run_filter(
     else:
         if not inputs:
             raise UserError("no tapes given: pass tapes files or - for stdin (or --gold)")
-        samples, report = filter_tapes(read_tapes(inputs), cfg, mode=mode, max_per_problem=max_per_problem,
+        samples, report = filter_tapes(read_tapes(inputs, tapes_read), cfg, mode=mode, max_per_problem=max_per_problem,
                                        drop_uniform_groups=drop_uniform_groups, ref_model=ref_model,
                                        ref_backend=ref_backend, scorer=scorer)
     write_jsonl(out, samples)
