@@ -69,8 +69,15 @@ def test_finetune_retries_smaller_and_learns_the_same(tiny_model_dir, gold, clea
     assert [s["micro_batches"] for s in clean] == [1, 1, 1]
     ours, theirs = _weights(run), _weights(clean_run)
     assert ours.keys() == theirs.keys()
+    # Summed in other micro-batches, the gradients round differently; AdamW divides each by its own
+    # running scale, so where one nearly cancels the rounding moves a weight by a visible share of
+    # a step (up to 8.7e-7 seen). Different samples or order would move weights by about a whole
+    # step (lr = 1e-3) each: the tolerance is 1 % of one step.
+    start = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    moved = max((theirs[name] - start[name]).abs().max().item() for name in theirs if name in start)
+    assert moved > 1e-3, moved  # three steps trained: the tolerance is small against what they moved
     for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_finetune_gives_up_with_one_line_then_resumes(tiny_model_dir, gold, clean_run, tmp_path):
