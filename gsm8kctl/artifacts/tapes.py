@@ -43,8 +43,8 @@ def is_number(x) -> bool:
 
 
 # A list whose elements are all exactly int (or int and float) is checked by one C-level pass
-# (`set(map(type, x))`); anything else (a bool, a subclass) is judged element by element. On an
-# iteration's 4096 tapes the element-wise walk alone took 0.45 s of the filter phase.
+# (`set(map(type, x))`); anything else (a bool, a subclass) is judged element by element. Checking
+# 4096 tapes and 4096 samples took 0.40 s element by element, 0.11 s so (bench/bench_check_records.py).
 _INT = frozenset((int,))
 _NUMBER_TYPES = frozenset((int, float))
 
