@@ -340,3 +340,38 @@ def test_the_list_checks_agree_with_the_rule_element_by_element():
         assert is_number_list(x) == (is_list and all(is_number(v) for v in x)), x
     # finite elements whose sum overflows are finite all the same
     assert is_number_list([1e308, 1e308]) and not is_number_list([1e308, math.inf])
+
+
+def test_tapes_and_samples_held_in_memory_are_what_the_files_hold(tmp_path, tiny_model_dir, gsm8k_dir):
+    """The loop's in-process engine hands the tapes the sample phase wrote to the filter, and the
+    filter's samples to the finetune and record phases, instead of parsing the files again. What
+    it holds must be what the files hold, types included (a tuple is not a list), and the filter
+    must write the same samples from them as from the file."""
+    from gsm8kctl.artifacts.jsonl import read_jsonl
+    from gsm8kctl.stages.sample import sample
+
+    cfg = load_config(None, [f"model={tiny_model_dir}", "backend=transformers", f"data_dir={gsm8k_dir}",
+                             "attempts=3", "sampling.max_tokens=8", "filter.ref_model=null"])
+    tapes_path = tmp_path / "tapes.jsonl"
+    written: list[dict] = []
+    sample(cfg, out=str(tapes_path), n_problems=4, iteration=2, quiet=True, written=written)
+    on_disk = list(read_jsonl(tapes_path))
+    assert len(on_disk) == 12 and written == on_disk
+    assert all(type(a) is type(b) for t, d in zip(written, on_disk) for a, b in zip(t.values(), d.values()))
+
+    # The rewards of a random-init model are all 0: give some groups a reward so samples are kept.
+    for t in written[:2] + written[6:7]:
+        t["reward"] = 1.0
+    rewarded = tmp_path / "rewarded.jsonl"
+    rewarded.write_text("".join(json.dumps(t) + "\n" for t in written))
+    from_file, from_memory, kept = tmp_path / "a.jsonl", tmp_path / "b.jsonl", []
+    rep_file = flt.run_filter([str(rewarded)], str(from_file), cfg, quiet=True)
+    rep_memory = flt.run_filter([str(rewarded)], str(from_memory), cfg, quiet=True, tapes_given=written,
+                                samples_written=kept)
+    assert rep_memory.kept == rep_file.kept == len(kept) == 6  # two groups of three attempts
+    assert from_memory.read_bytes() == from_file.read_bytes()
+    assert kept == list(read_jsonl(from_file))
+    # A tape held in memory is checked as a read one is, and named by its file and line.
+    written[4]["completion_token_ids"] = (1, 2)
+    with pytest.raises(UserError, match=rf"{rewarded}:5: completion_token_ids must be a list of token ids"):
+        flt.run_filter([str(rewarded)], str(tmp_path / "c.jsonl"), cfg, quiet=True, tapes_given=written)

@@ -336,13 +336,17 @@ def test_inprocess_engine_writes_what_processes_write(tiny_model_dir, reference_
     assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
     row = list(read_jsonl(run_dir / "metrics.jsonl"))[0]
     assert row["seconds"]["weights_refresh"] >= 0  # measured, and in metrics.jsonl
-    # The record phase reads the tapes the filter phase read in this process, not the file again:
-    # every row says what the other engine's rows say (times and paths aside).
+    # In this process the filter takes the tapes the sample phase wrote, and the finetune and record
+    # phases the samples the filter wrote, not the files again: every row and every samples file
+    # says what the other engine's say (times and paths aside).
     volatile = ("seconds", "model", "sample_tokens_per_s")
     rows = lambda run: [{k: v for k, v in r.items() if k not in volatile}  # noqa: E731
                         for r in read_jsonl(run / "metrics.jsonl")]
     assert rows(run_dir) == rows(reference_run)
     assert any("train_success_rate" in r and "pass_at_k" in r for r in rows(run_dir))
+    trained = lambda run: [(s["input_ids"], s["prompt_len"], s["old_logprobs"], s["reward"], s["weight"])  # noqa: E731
+                           for s in read_jsonl(run / "iterations" / "0000" / "samples.jsonl")]
+    assert trained(run_dir) == trained(reference_run) and trained(run_dir)
     # Every stage still reruns by itself on what the engine wrote, and finds its work done.
     conn = open_readonly(run_dir / "llm_calls.sqlite")
     calls = conn.execute("SELECT count(*) FROM llm_calls").fetchone()[0]

@@ -242,7 +242,9 @@ class _Context:
         # The split that chooses the best checkpoint: never the test split while a validation one exists.
         self.select_on = "validation" if cfg["validation_problems"] else "test"
         self.engine = engine  # engine.ProcessEngine or InProcessEngine: runs each phase's stage
-        self.tapes_read: tuple[int, list[dict]] | None = None  # (iteration, its tapes) as filter read them
+        # An iteration's tapes and samples as this process wrote or read them, so that a later phase
+        # need not parse the file again; a phase resumed after the one that made them reads it.
+        self.held: dict = {"iteration": None, "tapes": None, "samples": None}
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -412,14 +414,19 @@ class _Context:
                     f"and 1 when last sampled), {k - revisits} new", self.quiet)
         self.it_dir(it).mkdir(parents=True, exist_ok=True)
         model = self.current_model()
-        self.engine.sample(model, st["problems"], it, self.it_dir(it) / TAPES_FILE)
+        tapes = self.engine.sample(model, st["problems"], it, self.it_dir(it) / TAPES_FILE)
+        self.held = {"iteration": it, "tapes": tapes, "samples": None}
         self._settle(it)  # the write ran while this phase sampled
 
     def _filter(self, it: int) -> None:
-        tapes = self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE, self._reference())
-        # The tapes file does not change after the sample phase; a run resumed at finetune or
-        # record has none in memory and reads it.
-        self.tapes_read = (it, tapes) if tapes is not None else None
+        tapes, samples = self.engine.filter(self.it_dir(it) / TAPES_FILE, self.it_dir(it) / SAMPLES_FILE,
+                                            self._reference(), tapes_given=self._held(it, "tapes"))
+        # The tapes file does not change after the sample phase, nor the samples after this one.
+        self.held = {"iteration": it, "tapes": tapes, "samples": samples}
+
+    def _held(self, it: int, what: str) -> list[dict] | None:
+        """This iteration's tapes or samples in memory, or None: read the file."""
+        return self.held[what] if self.held["iteration"] == it else None
 
     def _reference(self) -> str | None:
         """filter.ref_model, with `start` read as the model iteration 0 sampled with; a checkpoint of
@@ -435,7 +442,8 @@ class _Context:
 
     def _finetune(self, it: int) -> None:
         samples = self.it_dir(it) / SAMPLES_FILE
-        n = sum(1 for _ in read_jsonl(samples))
+        held = self._held(it, "samples")
+        n = len(held) if held is not None else sum(1 for _ in read_jsonl(samples))
         if not n:
             say(f"iteration {it}: no training samples (no attempt earned a reward); trains nothing, the model "
                 "is unchanged", self.quiet)
@@ -451,15 +459,17 @@ class _Context:
     def _record(self, it: int) -> None:
         row: dict = {"iteration": it, "model": self.current_model()}
         tapes_path = self.it_dir(it) / TAPES_FILE
-        held, self.tapes_read = self.tapes_read, None
+        held_tapes, held_samples = self._held(it, "tapes"), self._held(it, "samples")
+        self.held = {"iteration": None, "tapes": None, "samples": None}
         if tapes_path.exists():
-            tapes = held[1] if held and held[0] == it else list(read_jsonl(tapes_path))
+            tapes = held_tapes if held_tapes is not None else list(read_jsonl(tapes_path))
             record_pass_rates(self.run_dir / PASS_RATES_FILE, it, tapes)
             st = tape_stats(tapes)
             if tapes:
                 row["model"] = tapes[0]["model"]  # the model that sampled, not the one it trained
             samples_path = self.it_dir(it) / SAMPLES_FILE
-            samples = list(read_jsonl(samples_path)) if samples_path.exists() else []  # read once: 1000s of lines
+            samples = (held_samples if held_samples is not None
+                       else list(read_jsonl(samples_path)) if samples_path.exists() else [])
             row.update({
                 "train_success_rate": round(sum(bool(t["correct"]) for t in tapes) / max(1, len(tapes)), 4),
                 "train_accuracy_strict": st["accuracy_strict"], "train_accuracy_lenient": st["accuracy_lenient"],

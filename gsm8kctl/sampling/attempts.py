@@ -116,10 +116,11 @@ def open_backend(cfg: dict, model: str | None = None) -> Backend:
 def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts: int,
                  params: SamplingParams, out: str, calls_db: str | None, iteration: int,
                  model_label: str, quiet: bool = False, description: str = "sampling",
-                 existing: AppendTarget | None = None) -> dict:
+                 existing: AppendTarget | None = None, written: list[dict] | None = None) -> dict:
     """Sample the missing attempts of `problems`, appending tapes to `out`; returns counts.
 
     `existing` is `existing_output(out)`, checked by the caller before it loaded the model.
+    `written`, a list, receives every tape appended, in the file's order.
     """
     if existing is None:
         existing = existing_output(out)
@@ -158,6 +159,8 @@ def run_attempts(cfg: dict, *, backend: Backend, problems: list[dict], attempts:
             for tape in tapes:
                 gate.wait()
                 writer.write(tape)
+            if written is not None:
+                written.extend(tapes)
             tokens = sum(len(comp.token_ids) for _, comp in pending)
             stats["tapes"] += len(tapes)
             stats["tokens"] += tokens

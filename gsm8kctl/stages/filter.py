@@ -93,6 +93,14 @@ def read_tapes(paths: Iterable[str], kept: list[dict] | None = None) -> Iterable
             yield where, tape
 
 
+def tapes_in_memory(path: str, tapes: list[dict]) -> Iterable[tuple[str, dict]]:
+    """(`file:line`, tape) for `path`'s tapes already parsed in this process (the loop's sample
+    phase just wrote them), checked as read ones are."""
+    for line, tape in enumerate(tapes, 1):
+        where = f"{path}:{line}"
+        yield where, check_tape(tape, where, tokens=True)
+
+
 def _slim(t: dict) -> dict:
     """The fields a sample needs; tapes also carry text we do not keep in memory."""
     return {
@@ -413,13 +421,17 @@ def run_filter(
     quiet: bool = False,
     scorer: Scorer | None = None,
     tapes_read: list[dict] | None = None,
+    tapes_given: list[dict] | None = None,
+    samples_written: list[dict] | None = None,
 ) -> FilterReport:
     """`gsm8kctl filter`: write samples to `out` (atomic file or `-`), report on stderr.
 
     Rerunning with the same arguments rewrites the same file: nothing is ever appended twice.
     `scorer` (a `Backend.score`) stands for the reference model when tapes are filtered: the
     loop's in-process engine keeps one loaded for the whole run. `tapes_read`, a list, receives
-    every tape read (checked), so that a caller in the same process need not parse them again.
+    every tape read (checked), and `samples_written` every sample written, so that a caller in
+    the same process need not parse them again. `tapes_given` are the tapes of the one file in
+    `inputs`, already parsed by the caller that wrote them: checked, not read again.
     """
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
@@ -455,10 +467,15 @@ def run_filter(
     else:
         if not inputs:
             raise UserError("no tapes given: pass tapes files or - for stdin (or --gold)")
-        samples, report = filter_tapes(read_tapes(inputs, tapes_read), cfg, mode=mode, max_per_problem=max_per_problem,
+        if tapes_given is not None and len(inputs) != 1:
+            raise ValueError("tapes_given stands for one tapes file")
+        tapes = read_tapes(inputs, tapes_read) if tapes_given is None else tapes_in_memory(inputs[0], tapes_given)
+        samples, report = filter_tapes(tapes, cfg, mode=mode, max_per_problem=max_per_problem,
                                        drop_uniform_groups=drop_uniform_groups, ref_model=ref_model,
                                        ref_backend=ref_backend, scorer=scorer)
     write_jsonl(out, samples)
+    if samples_written is not None:
+        samples_written.extend(samples)
     if not quiet:
         console.print(report.table())
     if not samples:

@@ -21,7 +21,7 @@ from gsm8kctl.sampling.backends import Backend, SamplingParams
 
 def sample(cfg: dict, *, out: str, split: str = "train", n_problems: int | None = None,
            problem_ids: list[str] | None = None, calls_db: str | None = None, iteration: int = 0,
-           backend: Backend | None = None, quiet: bool = False) -> dict:
+           backend: Backend | None = None, quiet: bool = False, written: list[dict] | None = None) -> dict:
     # Every check before the model loads and before anything is written: a refused run writes nothing.
     if calls_db is None and out != "-":
         calls_db = str(Path(out).parent / LLM_CALLS_FILE)
@@ -47,7 +47,7 @@ def sample(cfg: dict, *, out: str, split: str = "train", n_problems: int | None 
     try:
         return run_attempts(cfg, backend=backend, problems=problems, attempts=cfg["attempts"], params=params,
                             out=out, calls_db=calls_db, iteration=iteration, model_label=cfg["model"],
-                            quiet=quiet, existing=existing)
+                            quiet=quiet, existing=existing, written=written)
     finally:
         if own:
             backend.close()
