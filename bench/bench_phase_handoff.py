@@ -10,8 +10,10 @@ for 4096), gives about 40 % of the problems one rewarded attempt (so the filter 
 many samples as the loop's iterations do), writes them, then times, alternating, median of
 `--repeats`:
 - the filter (`run_filter`, no reference model) on the file against the same tapes held;
-- reading the samples file it wrote, which the finetune phase (to count) and the record phase
-  did before.
+- the finetune phase's read and check of the samples (`read_samples`) from the file against
+  the filter's samples held;
+- reading the samples file, which the finetune phase (to count its samples) and the record phase
+  each did before.
 Prints a table and writes JSON.
 
     python bench/bench_phase_handoff.py --tapes 4096 --out phase-handoff.json
@@ -42,6 +44,7 @@ def main() -> None:
     from bench_check_records import records
 
     from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
+    from gsm8kctl.artifacts.samples import read_samples
     from gsm8kctl.config import load_config
     from gsm8kctl.stages.filter import run_filter
 
@@ -52,7 +55,8 @@ def main() -> None:
             tapes[start]["reward"], tapes[start]["correct"] = 1.0, True
     cfg = load_config(None, ["filter.ref_model=null"])
     times: dict[str, list[float]] = {"filter, tapes read from the file": [], "filter, tapes held": [],
-                                     "reading the samples file": []}
+                                     "finetune's samples, read from the file": [],
+                                     "finetune's samples, held": [], "reading the samples file": []}
     with tempfile.TemporaryDirectory() as tmp:
         path, out = Path(tmp) / "tapes.jsonl", Path(tmp) / "samples.jsonl"
         write_jsonl(path, tapes)
@@ -67,16 +71,24 @@ def main() -> None:
             run_filter([str(path)], str(out), cfg, quiet=True, tapes_given=tapes, samples_written=written)
             times["filter, tapes held"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
+            read_samples([out], seq_length=2048, vocab_size=49152)
+            times["finetune's samples, read from the file"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            read_samples([out], seq_length=2048, vocab_size=49152, given=written)
+            times["finetune's samples, held"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             kept = len(list(read_jsonl(out)))
             times["reading the samples file"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    saved = (med["filter, tapes read from the file"] - med["filter, tapes held"]) + 2 * med["reading the samples file"]
+    saved = (med["filter, tapes read from the file"] - med["filter, tapes held"]
+             + med["finetune's samples, read from the file"] - med["finetune's samples, held"]
+             + 2 * med["reading the samples file"])
     print(f"{a.tapes} tapes, {kept} samples kept; seconds, median of {a.repeats} (alternating)")
     print("| what | s |")
     print("|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} |")
-    print(f"| saved per iteration (the filter's difference + the samples file read twice) | {saved:.3f} |")
+    print(f"| saved per iteration (the two differences + the samples file read twice) | {saved:.3f} |")
     with open(a.out, "w") as f:
         json.dump({"tapes": a.tapes, "samples": kept, "repeats": a.repeats, "median_s": med,
                    "runs_s": times, "saved_per_iteration_s": saved}, f, indent=1)

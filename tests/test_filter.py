@@ -375,3 +375,18 @@ def test_tapes_and_samples_held_in_memory_are_what_the_files_hold(tmp_path, tiny
     written[4]["completion_token_ids"] = (1, 2)
     with pytest.raises(UserError, match=rf"{rewarded}:5: completion_token_ids must be a list of token ids"):
         flt.run_filter([str(rewarded)], str(tmp_path / "c.jsonl"), cfg, quiet=True, tapes_given=written)
+
+
+def test_samples_held_in_memory_are_checked_as_read_ones(tmp_path):
+    """finetune's check of the samples the loop's filter phase held: the same records as from the
+    file, and a bad one named by the file and line it stands for."""
+    from gsm8kctl.artifacts.samples import read_samples
+
+    samples = [{"id": f"s{i}", "input_ids": [1, 2, 3, 4 + i], "prompt_len": 2, "reward": 1.0, "advantage": 0.5,
+                "weight": 0.5, "old_logprobs": [-0.1, -0.2], "ref_logprobs": None} for i in range(3)]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    assert read_samples([path], vocab_size=100, given=samples) == read_samples([path], vocab_size=100)
+    samples[1]["input_ids"] = [1, 2, 3, 400]
+    with pytest.raises(UserError, match=rf"{path}:2: .*vocab"):
+        read_samples([path], vocab_size=100, given=samples)

@@ -91,14 +91,19 @@ def check_sample(record: dict, where: str, *, seq_length: int | None = None,
 
 
 def read_samples(paths: Iterable[str | Path], *, seq_length: int | None = None,
-                 vocab_size: int | None = None) -> list[dict]:
-    """All samples of the given files (`-` = stdin), validated; an empty result is a UserError."""
+                 vocab_size: int | None = None, given: list[dict] | None = None) -> list[dict]:
+    """All samples of the given files (`-` = stdin), validated; an empty result is a UserError.
+    `given`: the records of the one file in `paths`, already parsed by the caller that wrote them
+    (the loop's filter phase): validated as read ones are, not read again."""
     paths = [str(p) for p in paths]
     if not paths:
         raise UserError("no samples file given")
+    if given is not None and len(paths) != 1:
+        raise ValueError("given stands for one samples file")
     out: list[dict] = []
     for path in paths:
-        for where, record in iter_jsonl_lines(path):
+        located = iter_jsonl_lines(path) if given is None else ((f"{path}:{k}", r) for k, r in enumerate(given, 1))
+        for where, record in located:
             out.append(check_sample(record, where, seq_length=seq_length, vocab_size=vocab_size))
     if not out:
         raise UserError(f"no training samples in {', '.join(paths)} (did filter keep nothing? "

@@ -451,7 +451,7 @@ class _Context:
         plan = iteration_steps(n, self.cfg["finetune"])
         say(f"iteration {it}: {plan['steps']} optimizer steps of {plan['global_batch']} samples on {n} samples = "
             f"{plan['passes']:g} pass{'' if plan['passes'] == 1 else 'es'} ({plan['why']})", self.quiet)
-        info = self.engine.finetune(samples, plan["steps"])
+        info = self.engine.finetune(samples, plan["steps"], samples_given=held)
         self._pending(info, "finetune")
         if info.get("refresh_s") is not None:  # in-process: the sampler took the trainer's weights
             self.state["timings"].setdefault(str(it), {})["weights_refresh"] = info["refresh_s"]

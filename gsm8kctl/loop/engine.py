@@ -96,7 +96,8 @@ class ProcessEngine:
                     "-o", str(out), "--quiet")
 
     def finetune(self, samples: Path, steps: int, objective: str | None = None,
-                 overrides: dict | None = None) -> dict:
+                 overrides: dict | None = None, samples_given: list[dict] | None = None) -> dict:
+        """The stage reads `samples` in its own process (`samples_given` is not used)."""
         self._stage("finetune", str(samples), *(f"{k}={v}" for k, v in (overrides or {}).items()),
                     "--out", str(self.run_dir), "--steps", str(steps),
                     *(["--objective", objective] if objective else []))
@@ -247,8 +248,9 @@ class InProcessEngine:
         run_filter([], str(out), cfg, gold=True, split="train", n_problems=n_problems, quiet=True)
 
     def finetune(self, samples_path: Path, steps: int, objective: str | None = None,
-                 overrides: dict | None = None) -> dict:
-        """One phase on the resident trainer, checked like the stage; then the sampler takes its weights."""
+                 overrides: dict | None = None, samples_given: list[dict] | None = None) -> dict:
+        """One phase on the resident trainer, checked like the stage; then the sampler takes its
+        weights. `samples_given`: the samples file's records, held by the filter phase: not read again."""
         from gsm8kctl.config import set_value
         from gsm8kctl.stages.finetune import check_finetune_config, load_and_check, resolve_start, \
             resolve_objective
@@ -262,7 +264,7 @@ class InProcessEngine:
         set_value(cfg, "finetune.objective", objective)
         check_finetune_config(cfg["finetune"])
         start, resume, note = resolve_start(self.run_dir, None, cfg)
-        samples = load_and_check([str(samples_path)], start, cfg, objective)
+        samples = load_and_check([str(samples_path)], start, cfg, objective, given=samples_given)
         if self.trainer is None:
             from gsm8kctl.training.trainer import Trainer
 

@@ -196,17 +196,18 @@ def _vocab_size(start: str) -> int | None:
         return None
 
 
-def load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str) -> list[dict]:
-    """The samples of `paths`, checked against the model `start` (its directory, its vocabulary)
-    and what `objective` and the KL term need; the KL is turned off when no sample has ref
-    log-probs (the caller says so)."""
+def load_and_check(paths: Sequence[str], start: str, cfg: dict, objective: str,
+                   given: list[dict] | None = None) -> list[dict]:
+    """The samples of `paths` (or `given`, the one file's samples already in memory), checked
+    against the model `start` (its directory, its vocabulary) and what `objective` and the KL
+    term need; the KL is turned off when no sample has ref log-probs (the caller says so)."""
     ft = cfg["finetune"]
     if Path(start).is_dir():  # a checkpoint resumed from did not go through resolve_model's check
         from gsm8kctl.artifacts.models import check_model_dir
 
         check_model_dir(Path(start))
     vocab = _vocab_size(start)
-    samples = read_samples(paths, seq_length=ft["seq_length"], vocab_size=vocab)
+    samples = read_samples(paths, seq_length=ft["seq_length"], vocab_size=vocab, given=given)
     if objective == "grpo":
         n = sum(s.get("old_logprobs") is None for s in samples)
         if n:
