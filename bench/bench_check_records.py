@@ -86,8 +86,8 @@ def main() -> None:
             runs[name]["check_tape"] += time_per_record(lambda t, w: tmod.check_tape(t, w, tokens=True), tapes, 1)
             runs[name]["check_sample"] += time_per_record(smod.check_sample, samples, 1)
     result = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in runs.items()}
-    # What the loop's record phase no longer does with the in-process engine: read the same
-    # tapes file again (the filter phase hands over the tapes it read).
+    # What the in-process loop no longer does: read an iteration's tapes file back (its phases
+    # hand the tapes on in memory; bench_phase_handoff.py times the whole handoff).
     from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
 
     with tempfile.TemporaryDirectory() as tmp:
