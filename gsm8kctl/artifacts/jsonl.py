@@ -45,6 +45,12 @@ class JsonlReader:
         return record
 
 
+def held_located(path: str | Path, records: list[dict]) -> Iterator[tuple[str, dict]]:
+    """(`file:line`, record) for the records of `path` that the process that wrote it still holds,
+    named as `read_jsonl_located` names the file's lines (a JSONL file we write has no blank line)."""
+    return ((f"{path}:{line}", record) for line, record in enumerate(records, 1))
+
+
 def read_jsonl_located(path: str | Path, *, repair_tail: bool = False) -> Iterator[tuple[str, dict]]:
     """Like `read_jsonl`, yielding (`file:line`, record) so later checks can name the line too."""
     if str(path) == "-":

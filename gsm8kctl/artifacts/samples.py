@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from gsm8kctl.artifacts.jsonl import read_jsonl_located, shown
+from gsm8kctl.artifacts.jsonl import held_located, read_jsonl_located, shown
 from gsm8kctl.artifacts.tapes import is_int_list, is_number, is_number_list
 from gsm8kctl.errors import UserError
 
@@ -102,8 +102,7 @@ def read_samples(paths: Iterable[str | Path], *, seq_length: int | None = None,
         raise ValueError("given stands for one samples file")
     out: list[dict] = []
     for path in paths:
-        located = iter_jsonl_lines(path) if given is None else ((f"{path}:{k}", r) for k, r in enumerate(given, 1))
-        for where, record in located:
+        for where, record in iter_jsonl_lines(path) if given is None else held_located(path, given):
             out.append(check_sample(record, where, seq_length=seq_length, vocab_size=vocab_size))
     if not out:
         raise UserError(f"no training samples in {', '.join(paths)} (did filter keep nothing? "

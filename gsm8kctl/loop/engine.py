@@ -315,7 +315,7 @@ class InProcessEngine:
         run_filter([str(tapes)], str(out), self.cfg, quiet=True, ref_model=ref_model,
                    scorer=self._ref_scorer(ref_model), tapes_read=read, tapes_given=tapes_given,
                    samples_written=written)
-        return (read if tapes_given is None else tapes_given), written
+        return read, written
 
     def _ref_scorer(self, ref: str | None):
         """The reference model on the transformers backend, loaded once; None: the stage opens its own."""

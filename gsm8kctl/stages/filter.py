@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from gsm8kctl.artifacts.jsonl import write_jsonl
+from gsm8kctl.artifacts.jsonl import held_located, write_jsonl
 from gsm8kctl.artifacts.paths import JSONL_RECORDS, check_output_file, check_replaceable
 from gsm8kctl.artifacts.samples import is_sample, iter_jsonl_lines, samples_stats  # noqa: F401 (re-export)
 from gsm8kctl.artifacts.tapes import check_tape
@@ -82,23 +82,20 @@ class FilterReport:
 # Reading tapes
 
 
-def read_tapes(paths: Iterable[str], kept: list[dict] | None = None) -> Iterable[tuple[str, dict]]:
+def read_tapes(paths: Iterable[str], kept: list[dict] | None = None,
+               given: list[dict] | None = None) -> Iterable[tuple[str, dict]]:
     """(`file:line`, tape) for every tape of the given files (`-` = stdin), checked; each also
-    appended to `kept` when given."""
+    appended to `kept` when given. `given`: the tapes of the one file in `paths`, still held by
+    the process that wrote them (the loop's sample phase): checked, not read again."""
+    paths = list(paths)
+    if given is not None and len(paths) != 1:
+        raise ValueError("given stands for one tapes file")
     for path in paths:
-        for where, record in iter_jsonl_lines(path):
+        for where, record in iter_jsonl_lines(path) if given is None else held_located(path, given):
             tape = check_tape(record, where, tokens=True)
             if kept is not None:
                 kept.append(tape)
             yield where, tape
-
-
-def tapes_in_memory(path: str, tapes: list[dict]) -> Iterable[tuple[str, dict]]:
-    """(`file:line`, tape) for `path`'s tapes already parsed in this process (the loop's sample
-    phase just wrote them), checked as read ones are."""
-    for line, tape in enumerate(tapes, 1):
-        where = f"{path}:{line}"
-        yield where, check_tape(tape, where, tokens=True)
 
 
 def _slim(t: dict) -> dict:
@@ -429,9 +426,9 @@ def run_filter(
     Rerunning with the same arguments rewrites the same file: nothing is ever appended twice.
     `scorer` (a `Backend.score`) stands for the reference model when tapes are filtered: the
     loop's in-process engine keeps one loaded for the whole run. `tapes_read`, a list, receives
-    every tape read (checked), and `samples_written` every sample written, so that a caller in
-    the same process need not parse them again. `tapes_given` are the tapes of the one file in
-    `inputs`, already parsed by the caller that wrote them: checked, not read again.
+    every tape (checked), and `samples_written` every sample written, so that a caller in the
+    same process need not parse them again. `tapes_given` are the tapes of the one file in
+    `inputs`, still held by the caller that wrote them: checked, not read again.
     """
     # Before anything is read: `filter tapes.jsonl -o tapes.jsonl` would replace the tapes.
     check_output_file(out, option="-o", inputs=inputs, data_dir=data_dir or cfg["data_dir"])
@@ -467,12 +464,9 @@ def run_filter(
     else:
         if not inputs:
             raise UserError("no tapes given: pass tapes files or - for stdin (or --gold)")
-        if tapes_given is not None and len(inputs) != 1:
-            raise ValueError("tapes_given stands for one tapes file")
-        tapes = read_tapes(inputs, tapes_read) if tapes_given is None else tapes_in_memory(inputs[0], tapes_given)
-        samples, report = filter_tapes(tapes, cfg, mode=mode, max_per_problem=max_per_problem,
-                                       drop_uniform_groups=drop_uniform_groups, ref_model=ref_model,
-                                       ref_backend=ref_backend, scorer=scorer)
+        samples, report = filter_tapes(read_tapes(inputs, tapes_read, tapes_given), cfg, mode=mode,
+                                       max_per_problem=max_per_problem, drop_uniform_groups=drop_uniform_groups,
+                                       ref_model=ref_model, ref_backend=ref_backend, scorer=scorer)
     write_jsonl(out, samples)
     if samples_written is not None:
         samples_written.extend(samples)
