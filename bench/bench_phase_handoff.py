@@ -13,7 +13,10 @@ many samples as the loop's iterations do), writes them, then times, alternating,
 - the finetune phase's read and check of the samples (`read_samples`) from the file against
   the filter's samples held;
 - reading the samples file, which the finetune phase (to count its samples) and the record phase
-  each did before.
+  each did before;
+- the record phase's update of the pass-rate table (RUN/pass_rates.jsonl) after `--history`
+  iterations of as many problems, read from the file against held in memory (the sample phase's
+  choice of problems read the same file once more before).
 Prints a table and writes JSON.
 
     python bench/bench_phase_handoff.py --tapes 4096 --out phase-handoff.json
@@ -38,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tapes", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--history", type=int, default=47, help="iterations already in the pass-rate table")
     ap.add_argument("--out", default="phase-handoff.json")
     a = ap.parse_args()
 
@@ -46,6 +50,7 @@ def main() -> None:
     from gsm8kctl.artifacts.jsonl import read_jsonl, write_jsonl
     from gsm8kctl.artifacts.samples import read_samples
     from gsm8kctl.config import load_config
+    from gsm8kctl.loop.curriculum import read_pass_rates, record_pass_rates
     from gsm8kctl.stages.filter import run_filter
 
     tapes, _ = records(a.tapes)
@@ -56,11 +61,21 @@ def main() -> None:
     cfg = load_config(None, ["filter.ref_model=null"])
     times: dict[str, list[float]] = {"filter, tapes read from the file": [], "filter, tapes held": [],
                                      "finetune's samples, read from the file": [],
-                                     "finetune's samples, held": [], "reading the samples file": []}
+                                     "finetune's samples, held": [], "reading the samples file": [],
+                                     "pass-rate table, read from the file": [], "pass-rate table, held": []}
     with tempfile.TemporaryDirectory() as tmp:
         path, out = Path(tmp) / "tapes.jsonl", Path(tmp) / "samples.jsonl"
         write_jsonl(path, tapes)
         run_filter([str(path)], str(out), cfg, quiet=True)  # imports (torch) paid before timing
+        # The table after --history iterations of 256 problems each, drawn in order from the
+        # 6973 training problems (so most have one or two iterations of history).
+        rates = Path(tmp) / "pass_rates.jsonl"
+        problems = len({t["problem_id"] for t in tapes})
+        for it in range(a.history):
+            past = [{"problem_id": f"train-{(it * problems + j // 16) % 6973:05d}", "correct": rng.random() < 0.06}
+                    for j in range(len(tapes))]
+            record_pass_rates(rates, it, past)
+        table = read_pass_rates(rates)
         kept = 0
         for _ in range(a.repeats):
             t0 = time.perf_counter()
@@ -79,18 +94,26 @@ def main() -> None:
             t0 = time.perf_counter()
             kept = len(list(read_jsonl(out)))
             times["reading the samples file"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            read_pass_rates(rates)
+            record_pass_rates(rates, a.history, tapes)
+            times["pass-rate table, read from the file"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            table = record_pass_rates(rates, a.history, tapes, table)
+            times["pass-rate table, held"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     saved = (med["filter, tapes read from the file"] - med["filter, tapes held"]
              + med["finetune's samples, read from the file"] - med["finetune's samples, held"]
-             + 2 * med["reading the samples file"])
+             + 2 * med["reading the samples file"]
+             + med["pass-rate table, read from the file"] - med["pass-rate table, held"])
     print(f"{a.tapes} tapes, {kept} samples kept; seconds, median of {a.repeats} (alternating)")
     print("| what | s |")
     print("|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} |")
-    print(f"| saved per iteration (the two differences + the samples file read twice) | {saved:.3f} |")
+    print(f"| saved per iteration (the three differences + the samples file read twice) | {saved:.3f} |")
     with open(a.out, "w") as f:
-        json.dump({"tapes": a.tapes, "samples": kept, "repeats": a.repeats, "median_s": med,
+        json.dump({"tapes": a.tapes, "samples": kept, "repeats": a.repeats, "history": a.history, "median_s": med,
                    "runs_s": times, "saved_per_iteration_s": saved}, f, indent=1)
 
 

@@ -42,3 +42,17 @@ def test_revisits_come_from_open_problems_and_the_rest_from_the_order(tmp_path):
         next_problems(0, 8, 100, seed=7)
     # only iterations before this one count
     assert choose_problems(0, 8, 100, seed=7, iteration=0, table=table, revisit_share=0.5)[2] == 0
+
+
+def test_a_held_table_writes_what_a_read_one_does(tmp_path):
+    """The loop keeps the table between iterations instead of reading the file again: the file it
+    writes is the same byte for byte, a redone iteration included."""
+    read_each_time, held = tmp_path / "read.jsonl", tmp_path / "held.jsonl"
+    table = None
+    for it, outcomes in ((0, {"train-00001": [True, False], "train-00002": [False, False]}),
+                         (1, {"train-00002": [True, True], "train-00003": [False, True]}),
+                         (1, {"train-00002": [True, True], "train-00003": [False, True]})):
+        record_pass_rates(read_each_time, it, _tapes(outcomes))
+        table = record_pass_rates(held, it, _tapes(outcomes), table)
+        assert held.read_bytes() == read_each_time.read_bytes()
+    assert table == read_pass_rates(held)

@@ -68,9 +68,12 @@ def read_pass_rates(path: Path) -> dict[str, dict]:
     return {row["problem_id"]: row for row in read_jsonl(path)} if path.exists() else {}
 
 
-def record_pass_rates(path: Path, iteration: int, tapes: list[dict]) -> dict[str, dict]:
-    """Put one iteration's outcomes (a tape's `correct`) into the table and rewrite it atomically."""
-    table = read_pass_rates(path)
+def record_pass_rates(path: Path, iteration: int, tapes: list[dict],
+                      table: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Put one iteration's outcomes (a tape's `correct`) into the table and rewrite it atomically.
+    `table` is the file's content already held in memory (the loop keeps it between iterations),
+    updated in place; None reads the file."""
+    table = read_pass_rates(path) if table is None else table
     counts: dict[str, list[int]] = {}
     for t in tapes:
         c = counts.setdefault(t["problem_id"], [0, 0])

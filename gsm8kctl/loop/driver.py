@@ -245,6 +245,7 @@ class _Context:
         # An iteration's tapes and samples as this process wrote or read them, so that a later phase
         # need not parse the file again; a phase resumed after the one that made them reads it.
         self.held: dict = {"iteration": None, "tapes": None, "samples": None}
+        self.pass_rates: dict[str, dict] | None = None
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -405,7 +406,7 @@ class _Context:
         k = max(1, self.cfg["max_agent_forks"] // self.cfg["attempts"])
         if not st.get("problems"):
             # Chosen once per iteration and saved before sampling: a restart samples the same ones.
-            table = read_pass_rates(self.run_dir / PASS_RATES_FILE)
+            table = self._pass_rates()
             st["problems"], st["cursor"], revisits = choose_problems(
                 st["cursor"], k, self.pool, self.cfg["seed"], it, table, self.cfg["revisit_share"])
             save_state(self.run_dir, st)
@@ -427,6 +428,13 @@ class _Context:
     def _held(self, it: int, what: str) -> list[dict] | None:
         """This iteration's tapes or samples in memory, or None: read the file."""
         return self.held[what] if self.held["iteration"] == it else None
+
+    def _pass_rates(self) -> dict[str, dict]:
+        """The pass-rate table: read once per process, then kept as record rewrites it (only this
+        loop writes the file)."""
+        if self.pass_rates is None:
+            self.pass_rates = read_pass_rates(self.run_dir / PASS_RATES_FILE)
+        return self.pass_rates
 
     def _reference(self) -> str | None:
         """filter.ref_model, with `start` read as the model iteration 0 sampled with; a checkpoint of
@@ -463,7 +471,7 @@ class _Context:
         self.held = {"iteration": None, "tapes": None, "samples": None}
         if tapes_path.exists():
             tapes = held_tapes if held_tapes is not None else list(read_jsonl(tapes_path))
-            record_pass_rates(self.run_dir / PASS_RATES_FILE, it, tapes)
+            self.pass_rates = record_pass_rates(self.run_dir / PASS_RATES_FILE, it, tapes, self._pass_rates())
             st = tape_stats(tapes)
             if tapes:
                 row["model"] = tapes[0]["model"]  # the model that sampled, not the one it trained
