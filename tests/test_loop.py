@@ -543,10 +543,11 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
     assert trained >= rl_tokens  # gold steps until the RL run's tokens are reached
     assert rows[1]["model"].endswith(f"step-{rows[1]['train_steps_total']:06d}")
     report = subprocess.run([sys.executable, "tools/results_report.py", f"{reference_run}=RL", f"{control}=SFT",
-                             "--plot", str(tmp_path / "r.png"), "--json", str(tmp_path / "r.json")],
+                             "--plot", str(tmp_path / "r.png"), "--json", str(tmp_path / "r.json"), "--phases", "0:1"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
-    table = {line.split("|")[1].strip(): line for line in report.stdout.splitlines()[2:]}
+    results, phases = report.stdout.split("\n\n")
+    table = {line.split("|")[1].strip(): line for line in results.splitlines()[2:]}
     assert f"| {rl[-1]['test_accuracy_strict'] * 100:.2f} % |" in table["RL"]
     # The checkpoint chosen on validation: the first evaluation with the best validation strict.
     chosen = max((r for r in rl if r.get("validation_accuracy_strict") is not None),
@@ -559,6 +560,30 @@ def test_sft_control_and_results_report_on_a_run(tiny_model_dir, reference_run, 
     assert [r["label"] for r in saved["runs"]] == ["RL", "SFT"]
     evals = [r["test_accuracy_strict"] for r in rl if r.get("test_accuracy_strict") is not None]
     assert len(evals) > 1 and saved["runs"][0]["mean_strict"] == pytest.approx(sum(evals[1:]) / len(evals[1:]))
+    # Iteration 0's test strict (after any warm start, before RL) and the chosen checkpoint's ratio to it.
+    start = next(r for r in rl if r["iteration"] >= 0 and r.get("test_accuracy_strict") is not None)
+    cells = [c.strip() for c in table["RL"].split("|")]
+    assert cells[8] == f"{start['test_accuracy_strict'] * 100:.2f} %"
+    assert cells[9] == (f"{chosen['test_accuracy_strict'] / start['test_accuracy_strict']:.2f}×"
+                        if start["test_accuracy_strict"] else "–")
+    # --phases: each run's median phase seconds over the iterations asked for, from its metrics and state.
+    rows_by_label = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+                     for line in phases.strip().splitlines()[2:]}
+    timed = [r for r in rl if all(p in r.get("seconds", {}) for p in ("sample", "filter", "finetune"))]
+    its = [r["iteration"] for r in timed]
+    assert its == [0]  # iteration 1 of this run only evaluates (the one after the last)
+    assert rows_by_label["RL"][1] == "0–0 (1)"
+    assert rows_by_label["RL"][2] == f"{timed[0]['seconds']['sample']:.2f}"
+    assert rows_by_label["RL"][5] == f"{sum(timed[0]['seconds'][p] for p in ('sample', 'filter', 'finetune')):.2f}"
+    timings = json.loads((reference_run / "state.json").read_text())["timings"]
+    assert rows_by_label["RL"][6] == f"{timings['0']['record']:.2f}"
+    tokens_per_s = timed[0]["attempts"] * timed[0]["mean_output_tokens"] / timed[0]["seconds"]["sample"]
+    assert rows_by_label["RL"][9] == f"{tokens_per_s / 1000:.1f} k"
+    assert rows_by_label["SFT"][1] == "none"  # the control has no sample or filter phase
+    assert [p["label"] for p in saved["phases"]] == ["RL", "SFT"] and saved["phases"][0]["iterations"] == its
+    bad = subprocess.run([sys.executable, "tools/results_report.py", str(reference_run), "--phases", "3:1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--phases: FROM:TO" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_two_sampler_processes_kill_and_resume_match_one(tiny_model_dir, reference_run, tmp_path):

@@ -12,7 +12,15 @@ Each RUN[=LABEL] is a loop run directory. Per run, one table row:
   over every evaluation after the first;
 - wall time: the sum of every recorded phase's seconds (state.json timings), warm start excluded
   (it is shared by runs that start from the same checkpoint), and the same up to the best;
-- samples used: attempts sampled and samples trained, summed over the iterations.
+- samples used: attempts sampled and samples trained, summed over the iterations;
+- test strict at iteration 0 (after the warm start, before any RL) and the chosen checkpoint's
+  ratio to it.
+
+`--phases FROM:TO` adds a second table: per run, the median over iterations FROM..TO of each timed
+phase of an iteration (sample, filter, finetune; evaluations excluded), their sum, recording and
+the wait for the background checkpoint save (state.json timings), the mean completion length and
+the sampled tokens per second (attempts × mean completion tokens / sample seconds): the figures
+behind docs/benchmarks.md's per-phase tables.
 
 `--until N` reads each run up to iteration N only: runs of different lengths compared at one
 budget. `--reference LABEL=PATH` adds a row from an `evaluate` metrics.json (the base model
@@ -57,11 +65,16 @@ def load_run(path: Path, label: str, until: int | None = None) -> dict:
                    best_strict=best["test_accuracy_strict"], best_lenient=best.get("test_accuracy_lenient"),
                    best_iteration=best["iteration"], best_wall_s=best_t, test_n=last.get("test_n"),
                    first_strict=evals[0][0]["test_accuracy_strict"])
+    started = [r for r, _ in evals if r["iteration"] >= 0]  # iteration -1: the model before its warm start
+    if started:
+        out["start_strict"] = started[0]["test_accuracy_strict"]
     validated = [r for r, _ in evals if r.get("validation_accuracy_strict") is not None]
     if validated:  # max() keeps the first of equals: the earliest, as the loop keeps its best
         chosen = max(validated, key=lambda r: r["validation_accuracy_strict"])
         out.update(chosen_strict=chosen["test_accuracy_strict"], chosen_iteration=chosen["iteration"],
                    chosen_validation=chosen["validation_accuracy_strict"])
+    state = path / "state.json"
+    out["timings"] = json.loads(state.read_text(encoding="utf-8")).get("timings", {}) if state.exists() else {}
     if len(evals) > 1:  # one evaluation is noisy (0.6 points at 5 % on 1319): the mean over the run
         out["mean_strict"] = sum(r["test_accuracy_strict"] for r, _ in evals[1:]) / (len(evals) - 1)
     return out
@@ -81,21 +94,53 @@ def pct(v) -> str:
 
 def table(runs: list[dict], references: list[tuple[str, dict]]) -> str:
     lines = ["| method | chosen on validation: test strict (iteration) | test strict (end) | test lenient (end) | "
-             "best strict (iteration) | best lenient | mean strict after the first | first → end strict | wall time | "
-             "to best | attempts sampled | samples trained |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "best strict (iteration) | best lenient | mean strict after the first | test strict at iteration 0 | "
+             "chosen ÷ iteration 0 | wall time | to best | attempts sampled | samples trained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in references:
-        lines.append(f"| {label} | – | {pct(m['accuracy_strict'])} | {pct(m['accuracy_lenient'])} | – | – | – | – | "
+        lines.append(f"| {label} | – | {pct(m['accuracy_strict'])} | {pct(m['accuracy_lenient'])} | – | – | – | – | – | "
                      f"{m.get('seconds', 0):.0f} s (eval) | – | – | – |")
     for r in runs:
-        ratio = (f"{r['final_strict'] / r['first_strict']:.2f}×" if r.get("first_strict") else "–") \
-            if "final_strict" in r else "–"
+        ratio = f"{r['chosen_strict'] / r['start_strict']:.2f}×" if r.get("start_strict") and "chosen_strict" in r else "–"
         best = f"{pct(r.get('best_strict'))} ({r.get('best_iteration', '–')})"
         chosen = f"{pct(r['chosen_strict'])} ({r['chosen_iteration']})" if "chosen_strict" in r else "–"
         lines.append(f"| {r['label']} | {chosen} | {pct(r.get('final_strict'))} | {pct(r.get('final_lenient'))} | {best} | "
-                     f"{pct(r.get('best_lenient'))} | {pct(r.get('mean_strict'))} | {ratio} | {r['wall_s'] / 60:.1f} min | "
+                     f"{pct(r.get('best_lenient'))} | {pct(r.get('mean_strict'))} | {pct(r.get('start_strict'))} | {ratio} | {r['wall_s'] / 60:.1f} min | "
                      f"{r.get('best_wall_s', 0) / 60:.1f} min | {r['attempts']} | {r['samples_trained']} |")
     return "\n".join(lines)
+
+
+PHASES = ("sample", "filter", "finetune")
+
+
+def median(values: list[float]) -> float | None:
+    v = sorted(values)
+    return None if not v else v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def phase_table(runs: list[dict], first: int, last: int) -> tuple[str, list[dict]]:
+    """Per run, medians over iterations first..last of the timed phases (evaluations excluded)."""
+    lines = ["| run | iterations | " + " | ".join(PHASES) + " | sum of the timed phases | record | "
+             "checkpoint wait | completion tokens | sampled tokens/s |", "|---|---|" + "---|" * (len(PHASES) + 5)]
+    out = []
+    for r in runs:
+        rows = [row for row in r["rows"] if first <= row["iteration"] <= last and
+                all(p in row.get("seconds", {}) for p in PHASES)]
+        extra = [r["timings"].get(str(row["iteration"]), {}) for row in rows]
+        med = {p: median([row["seconds"][p] for row in rows]) for p in PHASES}
+        med["sum"] = median([sum(row["seconds"][p] for p in PHASES) for row in rows])
+        for key in ("record", "checkpoint_wait"):
+            med[key] = median([t[key] for t in extra if key in t])
+        med["completion_tokens"] = median([row["mean_output_tokens"] for row in rows if "mean_output_tokens" in row])
+        med["sampled_tokens_per_s"] = median([row["attempts"] * row["mean_output_tokens"] / row["seconds"]["sample"]
+                                              for row in rows if row.get("attempts") and row["seconds"]["sample"]])
+        iters = f"{rows[0]['iteration']}–{rows[-1]['iteration']} ({len(rows)})" if rows else "none"
+        cells = ["–" if med[k] is None else f"{med[k]:.2f}" for k in (*PHASES, "sum", "record", "checkpoint_wait")]
+        cells.append("–" if med["completion_tokens"] is None else f"{med['completion_tokens']:.0f}")
+        cells.append("–" if med["sampled_tokens_per_s"] is None else f"{med['sampled_tokens_per_s'] / 1000:.1f} k")
+        lines.append(f"| {r['label']} | {iters} | " + " | ".join(cells) + " |")
+        out.append({"label": r["label"], "iterations": [row["iteration"] for row in rows], "median_s": med})
+    return "\n".join(lines), out
 
 
 def plot(runs: list[dict], references: list[tuple[str, dict]], path: Path, x: str = "wall") -> None:
@@ -138,8 +183,16 @@ def main() -> None:
     ap.add_argument("--x", choices=("wall", "iteration"), default="wall",
                     help="the plot's x axis: wall time, or iteration (runs that shared a GPU)")
     ap.add_argument("--until", type=int, help="read each run up to this iteration only (one budget for all)")
+    ap.add_argument("--phases", metavar="FROM:TO", help="also tabulate each run's median phase seconds over these iterations")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    span = None
+    if args.phases:
+        try:
+            span = tuple(int(v) for v in args.phases.split(":"))
+            assert len(span) == 2 and span[0] <= span[1]
+        except (ValueError, AssertionError):
+            ap.error(f"--phases: FROM:TO with FROM <= TO, got {args.phases!r}")
     runs = []
     for spec in args.runs:
         path, _, label = spec.partition("=")
@@ -149,11 +202,17 @@ def main() -> None:
         label, _, path = spec.partition("=")
         references.append((label, json.loads(Path(path).read_text(encoding="utf-8"))))
     print(table(runs, references))
+    phases = None
+    if span:
+        text, phases = phase_table(runs, *span)
+        print()
+        print(text)
     if args.plot:
         plot(runs, references, args.plot, args.x)
     if args.json:
-        args.json.write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "rows"} for r in runs],
-                                         "references": dict(references)}, indent=1))
+        args.json.write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k not in ("rows", "timings")}
+                                                  for r in runs],
+                                         "references": dict(references), "phases": phases}, indent=1))
 
 
 if __name__ == "__main__":
