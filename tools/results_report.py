@@ -34,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import sys
 from pathlib import Path
 
 CURVES = (("test_accuracy_strict", "test strict"), ("validation_accuracy_strict", "validation strict"),
@@ -63,8 +65,7 @@ def load_run(path: Path, label: str, until: int | None = None) -> dict:
         best, best_t = max(evals, key=lambda x: (x[0]["test_accuracy_strict"], -x[0]["iteration"]))
         out.update(final_strict=last["test_accuracy_strict"], final_lenient=last.get("test_accuracy_lenient"),
                    best_strict=best["test_accuracy_strict"], best_lenient=best.get("test_accuracy_lenient"),
-                   best_iteration=best["iteration"], best_wall_s=best_t, test_n=last.get("test_n"),
-                   first_strict=evals[0][0]["test_accuracy_strict"])
+                   best_iteration=best["iteration"], best_wall_s=best_t, test_n=last.get("test_n"))
     started = [r for r, _ in evals if r["iteration"] >= 0]  # iteration -1: the model before its warm start
     if started:
         out["start_strict"] = started[0]["test_accuracy_strict"]
@@ -114,8 +115,7 @@ PHASES = ("sample", "filter", "finetune")
 
 
 def median(values: list[float]) -> float | None:
-    v = sorted(values)
-    return None if not v else v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    return statistics.median(values) if values else None
 
 
 def phase_table(runs: list[dict], first: int, last: int) -> tuple[str, list[dict]]:
@@ -188,11 +188,14 @@ def main() -> None:
     args = ap.parse_args()
     span = None
     if args.phases:
+        parts = args.phases.split(":")
         try:
-            span = tuple(int(v) for v in args.phases.split(":"))
-            assert len(span) == 2 and span[0] <= span[1]
-        except (ValueError, AssertionError):
-            ap.error(f"--phases: FROM:TO with FROM <= TO, got {args.phases!r}")
+            span = (int(parts[0]), int(parts[1])) if len(parts) == 2 else None
+        except ValueError:
+            span = None
+        if span is None or span[0] > span[1]:
+            print(f"results_report.py: --phases: FROM:TO with FROM <= TO, got {args.phases!r}", file=sys.stderr)
+            sys.exit(2)
     runs = []
     for spec in args.runs:
         path, _, label = spec.partition("=")
