@@ -73,6 +73,9 @@ def test_loop_layout_and_metrics(reference_run):
                 "samples_kept", "uniform_groups", "test_accuracy_strict", "test_accuracy_lenient", "seconds"):
         assert key in first, key
     assert first["attempts"] == 8 and first["problems"] == 4 and first["samples_kept"] == 8
+    rewarded = [(t["problem_id"], tuple(t["completion_token_ids"]))
+                for t in read_jsonl(run / "iterations" / "0000" / "tapes.jsonl") if t["reward"] > 0]
+    assert first["duplicate_correct"] == len(rewarded) - len(set(rewarded))
     assert rows[1]["model"].endswith("step-000002")  # the final evaluation ran on the trained model
     assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     summary = _summary(run)
@@ -761,3 +764,14 @@ def test_sigkill_during_a_vllm_phase_leaves_no_process(smollm2_dir, tmp_path):
         except ProcessLookupError:
             pass
     assert not survivors, f"processes of the stage outlived the loop by 10 s: {survivors}"
+
+
+def test_duplicate_correct_counts_rewarded_copies_within_a_problem():
+    from gsm8kctl.loop.driver import _duplicate_correct
+
+    def tape(pid, ids, reward):
+        return {"problem_id": pid, "completion_token_ids": ids, "reward": reward}
+    tapes = [tape("a", [1, 2], 1.0), tape("a", [1, 2], 1.0), tape("a", [1, 2], 1.0),  # two copies
+             tape("a", [1, 3], 1.0), tape("a", [1, 3], 0.0),   # an unrewarded twin is not a copy
+             tape("b", [1, 2], 1.0)]                           # the same tokens, another problem
+    assert _duplicate_correct(tapes) == 2

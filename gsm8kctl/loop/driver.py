@@ -486,6 +486,7 @@ class _Context:
                 "attempts": len(tapes), "problems": st["problems"],
                 "samples_kept": len(samples),
                 "uniform_groups": _uniform_groups(tapes),
+                "duplicate_correct": _duplicate_correct(tapes),
             })
             plan = iteration_steps(row["samples_kept"], self.cfg["finetune"])
             row.update(train_steps=plan["steps"], train_passes=plan["passes"], train_steps_mode=plan["mode"],
@@ -584,6 +585,19 @@ def _uniform_groups(tapes: list[dict]) -> int:
     for t in tapes:
         groups.setdefault(t["problem_id"], set()).add(t["reward"])
     return sum(1 for rewards in groups.values() if len(rewards) == 1)
+
+
+def _duplicate_correct(tapes: list[dict]) -> int:
+    """Rewarded attempts whose completion repeats an earlier rewarded one of the same problem, token
+    for token: what `filter.drop_duplicate_correct` would drop, counted whether it is on or not."""
+    seen: set = set()
+    copies = 0
+    for t in tapes:
+        if t["reward"] > 0:
+            key = (t["problem_id"], tuple(t["completion_token_ids"]))
+            copies += key in seen
+            seen.add(key)
+    return copies
 
 
 def plot_learning_curve(rows: list[dict], path: Path) -> None:
