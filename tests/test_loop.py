@@ -381,6 +381,25 @@ def test_inprocess_engine_on_our_decoder_samples_what_processes_sample(tiny_mode
                          for sub in ("iterations/0000", "eval/0000", "eval/0001")}
     assert tapes["inprocess"] == tapes["processes"]
     assert all(len(v) for v in tapes["inprocess"].values())
+    # The in-process sampler's slot-engine counters per iteration: every decoded token after each
+    # attempt's first (the prefill's) was a busy row of a decode step. Child processes report none.
+    first = next(read_jsonl(tmp_path / "inprocess" / "metrics.jsonl"))
+    counters = first["sampler"]
+    attempts = list(read_jsonl(tmp_path / "inprocess" / "iterations/0000/tapes.jsonl"))
+    decoded = sum(len(t["completion_token_ids"]) - 1 for t in attempts)
+    assert counters["decode_steps"] > 0 and counters["slots"] >= 1 and counters["admissions"] >= 1
+    assert abs(counters["mean_busy_rows"] * counters["decode_steps"] - decoded) <= 0.05 * counters["decode_steps"]
+    assert 0 < counters["busy_share"] <= 1 and counters["mean_busy_rows"] <= counters["slots"]
+    assert "sampler" not in next(read_jsonl(tmp_path / "processes" / "metrics.jsonl"))
+    report = subprocess.run([sys.executable, "tools/results_report.py", f"{tmp_path / 'inprocess'}=in",
+                             f"{tmp_path / 'processes'}=out", "--phases", "0:0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+             for line in report.stdout.split("\n\n")[1].strip().splitlines()[2:]}
+    assert cells["in"][10:12] == [str(counters["decode_steps"]),
+                                  f"{counters['mean_busy_rows']:.0f} / {counters['slots']}"]
+    assert cells["out"][10:12] == ["–", "–"]
 
 
 def test_inprocess_sigkill_in_every_phase_then_resume_matches_uninterrupted(tiny_model_dir, reference_run,

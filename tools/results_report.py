@@ -19,8 +19,10 @@ Each RUN[=LABEL] is a loop run directory. Per run, one table row:
 `--phases FROM:TO` adds a second table: per run, the median over iterations FROM..TO of each timed
 phase of an iteration (sample, filter, finetune; evaluations excluded), their sum, recording and
 the wait for the background checkpoint save (state.json timings), the mean completion length and
-the sampled tokens per second (attempts × mean completion tokens / sample seconds): the figures
-behind docs/benchmarks.md's per-phase tables.
+the sampled tokens per second (attempts × mean completion tokens / sample seconds), and where
+the loop ran its sampler in process on the slot engine, its decode steps and the rows busy in an
+average step against its slots (`sampler` in metrics.jsonl; a low fill is a tail of a few long
+attempts): the figures behind docs/benchmarks.md's per-phase tables.
 
 `--until N` reads each run up to iteration N only: runs of different lengths compared at one
 budget. `--reference LABEL=PATH` adds a row from an `evaluate` metrics.json (the base model
@@ -121,7 +123,8 @@ def median(values: list[float]) -> float | None:
 def phase_table(runs: list[dict], first: int, last: int) -> tuple[str, list[dict]]:
     """Per run, medians over iterations first..last of the timed phases (evaluations excluded)."""
     lines = ["| run | iterations | " + " | ".join(PHASES) + " | sum of the timed phases | record | "
-             "checkpoint wait | completion tokens | sampled tokens/s |", "|---|---|" + "---|" * (len(PHASES) + 5)]
+             "checkpoint wait | completion tokens | sampled tokens/s | decode steps | busy rows / slots |",
+             "|---|---|" + "---|" * (len(PHASES) + 7)]
     out = []
     for r in runs:
         rows = [row for row in r["rows"] if first <= row["iteration"] <= last and
@@ -134,10 +137,16 @@ def phase_table(runs: list[dict], first: int, last: int) -> tuple[str, list[dict
         med["completion_tokens"] = median([row["mean_output_tokens"] for row in rows if "mean_output_tokens" in row])
         med["sampled_tokens_per_s"] = median([row["attempts"] * row["mean_output_tokens"] / row["seconds"]["sample"]
                                               for row in rows if row.get("attempts") and row["seconds"]["sample"]])
+        counters = [row["sampler"] for row in rows if row.get("sampler")]  # the slot engine's, in process
+        med["decode_steps"] = median([c["decode_steps"] for c in counters])
+        med["busy_rows"] = median([c["mean_busy_rows"] for c in counters])
+        slots = median([c["slots"] for c in counters])
         iters = f"{rows[0]['iteration']}–{rows[-1]['iteration']} ({len(rows)})" if rows else "none"
         cells = ["–" if med[k] is None else f"{med[k]:.2f}" for k in (*PHASES, "sum", "record", "checkpoint_wait")]
         cells.append("–" if med["completion_tokens"] is None else f"{med['completion_tokens']:.0f}")
         cells.append("–" if med["sampled_tokens_per_s"] is None else f"{med['sampled_tokens_per_s'] / 1000:.1f} k")
+        cells.append("–" if med["decode_steps"] is None else f"{med['decode_steps']:.0f}")
+        cells.append("–" if med["busy_rows"] is None else f"{med['busy_rows']:.0f} / {slots:.0f}")
         lines.append(f"| {r['label']} | {iters} | " + " | ".join(cells) + " |")
         out.append({"label": r["label"], "iterations": [row["iteration"] for row in rows], "median_s": med})
     return "\n".join(lines), out

@@ -417,6 +417,9 @@ class _Context:
         model = self.current_model()
         tapes = self.engine.sample(model, st["problems"], it, self.it_dir(it) / TAPES_FILE)
         self.held = {"iteration": it, "tapes": tapes, "samples": None}
+        counters = getattr(self.engine, "sampler_counters", None)
+        if counters is not None:  # saved with the phase: record reads it, also after a restart
+            st.setdefault("sampler", {})[str(it)] = counters
         self._settle(it)  # the write ran while this phase sampled
 
     def _filter(self, it: int) -> None:
@@ -502,6 +505,8 @@ class _Context:
                             f"{split}_accuracy_lenient": m["accuracy_lenient"],
                             f"{split}_format_rate": m["format_rate"], f"{split}_n": m["n"]})
         row["seconds"] = self.state["timings"].get(str(it), {})
+        if str(it) in self.state.get("sampler", {}):
+            row["sampler"] = self.state["sampler"][str(it)]
         path = self.run_dir / RUN_METRICS_FILE
         rows = [r for r in read_jsonl(path) if r["iteration"] != it] if path.exists() else []
         guard = iteration_warnings(row, rows, self.cfg)

@@ -238,6 +238,7 @@ class InProcessEngine:
         self.sampler = None          # backends.transformers.TransformersBackend, at the first sampling
         self.sampler_weights = None  # the model directory whose weights the sampler holds now
         self.ref = None              # the reference model's scorer (filter.ref_model), at the first filter
+        self.sampler_counters = None # the slot engine's counters over the last sample phase (slot_counters)
         self._planned = False
 
     # ------------------------------------------------------------------ phases
@@ -299,9 +300,15 @@ class InProcessEngine:
 
         whole = not out.exists()
         written: list[dict] = []
+        backend = self._sampler(model)
+        engine = getattr(backend, "_engine", None)
+        before = dict(engine.stats) if engine is not None else {}
         sample(self._cfg_for(model), out=str(out), split="train", problem_ids=problem_ids,
                calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
-               backend=self._sampler(model), quiet=True, written=written)
+               backend=backend, quiet=True, written=written)
+        after = getattr(backend, "_engine", None)
+        # An engine rebuilt in the phase (a longer prompt, an out-of-memory retry) counts from zero.
+        self.sampler_counters = slot_counters(after, before if after is engine else {})
         return written if whole else None
 
     def filter(self, tapes: Path, out: Path, ref_model: str | None,
@@ -409,6 +416,22 @@ class InProcessEngine:
             return
         self._planned = True
         say(memory_plan(self.trainer, self.sampler))
+
+
+def slot_counters(engine, before: dict) -> dict | None:
+    """What the slot engine did in one phase, from its cumulative stats before and after: its
+    decode steps, the rows busy in an average step against its slots (a low fill means a tail of
+    few long attempts), the share of the rows run that were busy (the rest pad a graph bucket or
+    finished mid-window), and the host's seconds blocked on the GPU and admitting. None without
+    the slot engine (CPU, or another backend)."""
+    if engine is None:
+        return None
+    d = {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
+    steps = d["decode_steps"]
+    return {"slots": engine.slots, "decode_steps": steps,
+            "mean_busy_rows": round(d["slot_steps_busy"] / steps, 1) if steps else 0.0,
+            "busy_share": round(d["slot_steps_busy"] / d["slot_steps_run"], 3) if d["slot_steps_run"] else None,
+            "admissions": d["admissions"], "sync_s": round(d["sync_s"], 3), "admit_s": round(d["admit_s"], 3)}
 
 
 def memory_plan(trainer, sampler) -> str:
