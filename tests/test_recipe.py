@@ -162,6 +162,16 @@ def test_seeds_runs_each_loop_and_its_control_and_reports_medians(tmp_path, tiny
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout) == summary
     assert {p: p.stat().st_mtime_ns for p in run.rglob("metrics.json*")} == before
+    shown = run_cli(*(a for a in args if a != "--json"), env={"COLUMNS": "80"})
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    # Without --json the summary is a table on stderr, whole in 80 columns: no number cut, the range
+    # over seeds on its own row.
+    table = shown.stderr[shown.stderr.index("seeds: test strict accuracy"):].splitlines()
+    end = next(i for i, line in enumerate(table) if line.split()[:1] == ["range"])
+    table, span = table[:end + 1], table[end]
+    assert "…" not in "\n".join(table) and all(len(line) <= 80 for line in table)
+    starts = sorted(r["warm_start"] for r in summary["seeds"].values())
+    assert span.split()[1] == f"{starts[0] * 100:.2f}–{starts[1] * 100:.2f}"
 
 
 def test_control_matches_the_rl_runs_tokens(tmp_path, tiny_model_dir):

@@ -200,28 +200,41 @@ def summarize(run: Path, seed_list: list[int]) -> dict:
 
 
 def render_summary(summary: dict) -> None:
+    """The per-seed table, then the median and the range over seeds on rows of their own, the units
+    in the headers: narrow enough for an 80-column terminal or log without breaking a number."""
+    from rich import box
     from rich.table import Table
 
     from gsm8kctl.progress import console
 
-    table = Table(title="seeds: test strict accuracy (the checkpoint chosen on validation)")
-    for col in ("seed", "warm start", "chosen (iteration)", "ratio", "last", "SFT control", "over control"):
-        table.add_column(col, justify="right")
-    pct = lambda v: "-" if v is None else f"{v:.2%}"  # noqa: E731
+    pct = lambda v: f"{v * 100:.2f}"  # noqa: E731
+    times = lambda v: f"{v:.2f}"  # noqa: E731
+    points = lambda v: f"{v * 100:+.2f}"  # noqa: E731
+    keys = (("warm_start", pct), ("chosen", pct), ("ratio", times), ("last", pct), ("control", pct),
+            ("over_control", points))
+    shown = lambda v, fmt: "-" if v is None else fmt(v)  # noqa: E731
+    rows = []
     for s, r in summary["seeds"].items():
-        chosen = "-" if r["chosen"] is None else f"{r['chosen']:.2%} ({r['chosen_iteration']})"
-        table.add_row(s, pct(r["warm_start"]), chosen, "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
-                      pct(r["last"]), pct(r["control"]),
-                      "-" if r["over_control"] is None else f"{r['over_control'] * 100:+.2f} pt")
+        cells = [shown(r[k], fmt) for k, fmt in keys]
+        if r["chosen"] is not None:
+            cells[1] += f" ({r['chosen_iteration']})"
+        rows.append([s, *cells])
     agg = summary["summary"]
-
-    def cell(key: str, fmt) -> str:
-        a = agg[key]
-        return "-" if a is None else f"{fmt(a['median'])} [{fmt(a['min'])}, {fmt(a['max'])}]"
-
-    table.add_row("median [range]", cell("warm_start", pct), cell("chosen", pct),
-                  cell("ratio", lambda v: f"{v:.2f}x"), cell("last", pct), cell("control", pct),
-                  cell("over_control", lambda v: f"{v * 100:+.2f} pt"))
+    median = ["median", *(shown(agg[k] and agg[k]["median"], fmt) for k, fmt in keys)]
+    span = ["range", *("-" if agg[k] is None else f"{fmt(agg[k]['min'])}–{fmt(agg[k]['max'])}" for k, fmt in keys)]
+    headers = ("seed", "warm start %", "chosen % (iteration)", "ratio ×", "last %", "SFT control %",
+               "over control (pt)")
+    table = Table(title="seeds: test strict accuracy (the checkpoint chosen on validation)", box=box.SIMPLE_HEAD,
+                  padding=(0, 0, 0, 1))
+    for i, header in enumerate(headers):
+        # As wide as its widest cell or header word: headers wrap between words, numbers never break.
+        table.add_column(header, justify="right",
+                         width=max(len(w) for w in [*header.split(), *(row[i] for row in [*rows, median, span])]))
+    for row in rows:
+        table.add_row(*row)
+    table.add_section()
+    table.add_row(*median)
+    table.add_row(*span)
     console.print(table)
 
 
