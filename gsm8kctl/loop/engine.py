@@ -422,8 +422,9 @@ def slot_counters(engine, before: dict) -> dict | None:
     """What the slot engine did in one phase, from its cumulative stats before and after: its
     decode steps, the rows busy in an average step against its slots (a low fill means a tail of
     few long attempts), the share of the rows run that were busy (the rest pad a graph bucket or
-    finished mid-window), and the host's seconds blocked on the GPU and admitting. None without
-    the slot engine (CPU, or another backend)."""
+    finished mid-window), and the host's seconds blocked on the GPU and admitting. A phase resumed
+    after a kill counts what it sampled itself. None where sampling did not run on the slot
+    engine (the CPU's default, or another backend)."""
     if engine is None:
         return None
     d = {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
