@@ -1,4 +1,5 @@
-"""The LLM call log: `llm_calls.sqlite`, table `llm_calls` (DESIGN.md §4), written through sqlite-utils.
+"""The LLM call log: `llm_calls.sqlite`, table `llm_calls` (docs/architecture.md, "LLM call log"),
+written through sqlite-utils.
 
 WAL mode, one writer, indexed by id and tape id; schema changes are named append-only migrations
 recorded in the database, so an old log opens and upgrades in place.

@@ -1,4 +1,4 @@
-"""The tape: the record of one attempt at one problem (DESIGN.md §3), and its file layout."""
+"""The tape: the record of one attempt at one problem (docs/architecture.md, "Tape"), and its file layout."""
 
 from __future__ import annotations
 

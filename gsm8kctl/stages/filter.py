@@ -1,4 +1,4 @@
-"""`filter`: tapes → training samples (DESIGN.md §7; schema in `gsm8kctl.artifacts.samples`).
+"""`filter`: tapes → training samples (schema in `gsm8kctl.artifacts.samples`).
 
 Order of work, per run:
 1. read tapes; drop structurally useless ones (empty completion, a tape id seen twice);

@@ -1,4 +1,4 @@
-"""Training objectives (DESIGN.md §7): pure functions, no model, no optimizer.
+"""Training objectives (docs/architecture.md, "The loop"): pure functions, no model, no optimizer.
 
 Notation. For completion token t of sample i:
     new_t = log π_θ(x_t | x_<t)   trainer log-prob (carries the gradient)
