@@ -48,7 +48,7 @@ import json,sys
 rows=[json.loads(l) for l in open(sys.argv[1])]
 ev=[r for r in rows if r.get('test_accuracy_strict') is not None]
 last=rows[-1]
-print('/'.join(sys.argv[1].split('/')[-3:-1]), 'it', last['iteration'], 'evals', ' '.join(f\"{r['iteration']}:{r['test_accuracy_strict']:.3f}/{r.get('validation_accuracy_strict') or 0:.3f}\" for r in ev[-6:]), 'succ', last.get('train_success_rate'))" "$m"
+print('/'.join(sys.argv[1].split('/')[-3:-1]), 'it', last['iteration'], 'evals', ' '.join(f\"{r['iteration']}:{r['test_accuracy_strict']:.3f}/{r.get('validation_accuracy_strict') or 0:.3f}\" for r in ev[-6:]), 'succ', last.get('train_success_rate'), 'fill', (lambda c: c and f\"{c['mean_busy_rows']:.0f}/{c['slots']} in {c['decode_steps']} steps\")(next((r['sampler'] for r in reversed(rows) if r.get('sampler')), None)))" "$m"
   done
   n_out=$(ls "$dir"/*.out 2>/dev/null | wc -l) n_rc=$(ls "$dir"/*.rc 2>/dev/null | wc -l)
   ls "$dir"/*.rc 2>/dev/null | xargs -r tail -n1

@@ -45,7 +45,7 @@ import json,sys
 rows=[json.loads(l) for l in open(sys.argv[1])]
 ev=[r for r in rows if r.get('test_accuracy_strict') is not None]
 last=rows[-1]
-print(sys.argv[1].split('/')[-2], 'it', last['iteration'], 'evals', ' '.join(f\"{r['iteration']}:{r['test_accuracy_strict']:.3f}/{r.get('validation_accuracy_strict') or 0:.3f}\" for r in ev[-6:]), 'succ', last.get('train_success_rate'))" "$m"
+print(sys.argv[1].split('/')[-2], 'it', last['iteration'], 'evals', ' '.join(f\"{r['iteration']}:{r['test_accuracy_strict']:.3f}/{r.get('validation_accuracy_strict') or 0:.3f}\" for r in ev[-6:]), 'succ', last.get('train_success_rate'), 'fill', (lambda c: c and f\"{c['mean_busy_rows']:.0f}/{c['slots']} in {c['decode_steps']} steps\")(next((r['sampler'] for r in reversed(rows) if r.get('sampler')), None)))" "$m"
   done
   ls "$dir"/*.rc 2>/dev/null | xargs -r tail -n1
   { [ -f "$dir/seeds.rc" ] || [ ! -f "$dir/seeds.out" ]; } && { [ -f "$dir/a8.rc" ] || [ ! -f "$dir/a8.out" ]; } && break
