@@ -301,12 +301,12 @@ class InProcessEngine:
         whole = not out.exists()
         written: list[dict] = []
         backend = self._sampler(model)
-        engine = getattr(backend, "_engine", None)
+        engine = getattr(backend, "slot_engine", None)
         before = dict(engine.stats) if engine is not None else {}
         sample(self._cfg_for(model), out=str(out), split="train", problem_ids=problem_ids,
                calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
                backend=backend, quiet=True, written=written)
-        after = getattr(backend, "_engine", None)
+        after = getattr(backend, "slot_engine", None)
         # An engine rebuilt in the phase (a longer prompt, an out-of-memory retry) counts from zero.
         self.sampler_counters = slot_counters(after, before if after is engine else {})
         return written if whole else None
@@ -444,7 +444,7 @@ def memory_plan(trainer, sampler) -> str:
     train_gb = params * 16 / 2**30
     s_bytes = next(sampler.model_obj.parameters()).element_size()
     sample_gb = params * s_bytes / 2**30
-    engine = getattr(sampler, "_engine", None)
+    engine = getattr(sampler, "slot_engine", None)
     kv = ""
     if engine is not None:
         kv_gb = engine.kv.numel() * engine.kv.element_size() / 2**30

@@ -422,6 +422,12 @@ class TransformersBackend:
                 start += len(c)
         return out
 
+    @property
+    def slot_engine(self) -> SlotEngine | None:
+        """The continuous-batching engine now in use (its `stats` count what it did), or None:
+        not yet built, or sampling without it (the CPU's default)."""
+        return self._engine
+
     def close(self) -> None:
         self._engine = None
         self.model_obj = None
