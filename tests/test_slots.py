@@ -8,6 +8,7 @@ and seeds. CUDA graphs and flash attention are measured on the GPU (docs/benchma
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from gsm8kctl.config import load_config
 from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.backends.base import SamplingParams, completion_seeds
 from gsm8kctl.sampling.backends.sampling import choose, uniforms
-from gsm8kctl.sampling.backends.slots import Request, SlotEngine, buckets_for, plan_slots
+from gsm8kctl.sampling.backends.slots import Request, SlotEngine, buckets_for, plan_slots, slots_for_longer
 from gsm8kctl.sampling.backends.transformers import TransformersBackend
 
 
@@ -179,6 +180,36 @@ def test_slot_plan_sizes_and_refuses():
         plan_slots(Cfg, torch.bfloat16, 1024, max_slots=None, fraction=0.01, free_bytes=1 << 20)
     assert buckets_for(2048)[:4] == [16, 32, 64, 128] and buckets_for(2048)[-1] == 2048
     assert buckets_for(40) == [16, 32, 40]
+
+
+def test_a_pool_remade_for_longer_prompts_frees_the_old_one_first_and_keeps_its_bytes(tiny_model_dir):
+    """A prompt longer than the slots hold remakes the pool. The old pool must be gone when the
+    new one is planned: planned beside it, a loop's pool on an H100 fell from 432 to 208 slots for
+    the rest of its run. And the new pool keeps at least the old one's bytes in longer slots."""
+    alive_at_plan = []
+
+    class Probe(TransformersBackend):
+        def _plan_slots(self, cfg, dtype, max_len):
+            alive_at_plan.append([ref() is not None for ref in refs])
+            return super()._plan_slots(cfg, dtype, max_len)
+
+    refs: list = []
+    backend = Probe(tiny_model_dir, load_config(None, ["transformers.static_cache=true", "sampling.max_slots=8"]),
+                    dtype="float32")
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=3)
+    short = backend.generate([[5] * 10, [7] * 12], params)
+    first = backend.slot_engine
+    assert first.max_len == 128 and first.slots == 8 and alive_at_plan == [[]]
+    refs = [weakref.ref(first), weakref.ref(first.kv)]
+    del first
+    backend.generate([[5] * 120], params)
+    assert backend.slot_engine.max_len == 256 and backend.slot_engine.slots == 8
+    assert alive_at_plan[1] == [False, False]  # neither the engine nor its cache outlived it
+    # the remade pool samples what the first did: a completion's tokens come from its own seed
+    assert _tokens(backend.generate([[5] * 10, [7] * 12], params)) == _tokens(short)
+
+    assert slots_for_longer(432, 768, 896) == 368  # 370 slots' worth, a multiple of 16
+    assert slots_for_longer(8, 128, 256) == 4 and slots_for_longer(1, 128, 1024) == 1
 
 
 def test_choose_follows_the_distribution():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 
 from gsm8kctl.artifacts.jsonl import read_jsonl
@@ -303,12 +304,16 @@ class InProcessEngine:
         backend = self._sampler(model)
         engine = getattr(backend, "slot_engine", None)
         before = dict(engine.stats) if engine is not None else {}
+        # Only a weak reference over the phase: an engine the phase replaces must be freed before
+        # its successor is planned, or the new pool is sized beside the old one's memory.
+        was = weakref.ref(engine) if engine is not None else None
+        del engine
         sample(self._cfg_for(model), out=str(out), split="train", problem_ids=problem_ids,
                calls_db=str(self.run_dir / LLM_CALLS_FILE), iteration=iteration,
                backend=backend, quiet=True, written=written)
         after = getattr(backend, "slot_engine", None)
         # An engine rebuilt in the phase (a longer prompt, an out-of-memory retry) counts from zero.
-        self.sampler_counters = slot_counters(after, before if after is engine else {})
+        self.sampler_counters = slot_counters(after, before if was is not None and after is was() else {})
         return written if whole else None
 
     def filter(self, tapes: Path, out: Path, ref_model: str | None,

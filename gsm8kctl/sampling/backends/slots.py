@@ -74,6 +74,12 @@ class _Forward:
     pos: torch.Tensor | None = None  # decode: write position of each slot row [bucket]
     mask: torch.Tensor | None = None  # decode: [bucket, 1, 1, max_len] bool, True = attend
 
+    def clear(self) -> None:
+        """Drop the engine's tensors after a forward: held here, a pool that is replaced (longer
+        prompts, an out-of-memory) would stay allocated while its successor is planned and made."""
+        self.kv = self.split_k = self.n_keys = self.cu_q = self.cu_k = None
+        self.prefill_rows = self.decode_rows = self.pos = self.mask = None
+
 
 _FWD = _Forward()
 
@@ -241,6 +247,14 @@ def plan_slots(config, dtype: torch.dtype, max_len: int, *, max_slots: int | Non
     return slots
 
 
+def slots_for_longer(old_slots: int, old_len: int, new_len: int) -> int:
+    """Slots of `new_len` tokens in the cache bytes of `old_slots` slots of `old_len` (a multiple of
+    16 where there are that many): the least a pool remade for longer prompts keeps of the pool it
+    replaces, whose memory it has just been given back."""
+    slots = old_slots * old_len // new_len
+    return slots // 16 * 16 if slots >= 16 else max(1, slots)
+
+
 def buckets_for(slots: int) -> list[int]:
     """Row counts a decode step runs at (ascending, the last = slots): 16, 32, 64, 128, then
     every 128 up to 1024 and every 256 beyond. A capture costs ~0.1 s, and a step costs
@@ -316,7 +330,7 @@ class SlotEngine:
                 yield
         finally:
             self.model.config._attn_implementation = saved
-            _FWD.prefill_rows = None
+            _FWD.clear()
 
     def _logp(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)

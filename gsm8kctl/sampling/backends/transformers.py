@@ -22,7 +22,7 @@ from gsm8kctl.config.sizes import gpu_share, kv_room
 from gsm8kctl.errors import UserError
 from gsm8kctl.sampling.backends.base import Completion, SamplingParams, check_decode_attention, completion_seeds
 from gsm8kctl.sampling.backends.sampling import choose, uniforms
-from gsm8kctl.sampling.backends.slots import Request, SlotEngine, plan_slots, sdpa_backends
+from gsm8kctl.sampling.backends.slots import Request, SlotEngine, plan_slots, sdpa_backends, slots_for_longer
 from gsm8kctl.sampling.hostgate import HostGate
 from gsm8kctl.training.logprobs import chosen_logprobs, pad_batch, token_budget_batches, token_logprobs
 
@@ -232,7 +232,16 @@ class TransformersBackend:
             max_len = min(max_len, self.context)
         if self._engine is not None and self._engine.max_len >= need:
             return self._engine
-        self._engine = None
+        kept = 0
+        if self._engine is not None:
+            # A longer prompt than the pool's slots hold. The pool goes back before the new one is
+            # planned, and the new one keeps at least its bytes: planned against the memory of now
+            # (the trainer resident, its peaks cached) the room is smaller than when the first pool
+            # was made, and a loop on an H100 went from 432 to 208-224 slots, for the rest of its
+            # run, at its first prompt 128 tokens longer than the others.
+            kept = slots_for_longer(self._engine.slots, self._engine.max_len, max_len)
+            self._engine = None
+            oom.release()
         cfg = self.model_obj.config
         dtype = next(self.model_obj.parameters()).dtype
         cap = self.slot_cap  # set when an out-of-memory halved the pool; doubled in each call since
@@ -242,10 +251,10 @@ class TransformersBackend:
             try:
                 planned = self._plan_slots(cfg, dtype, max_len)
             except UserError:
-                if not cap:
+                if not (cap or kept):
                     raise
-                planned = None  # the plan finds no room now: keep to the cap
-        slots = min(cap, planned or cap) if cap else planned
+                planned = None  # the plan finds no room now: keep to the cap, or to the old pool's bytes
+        slots = min(cap, planned or cap) if cap else max(planned or 0, kept)
         if cap and planned is not None and planned < cap:
             self.slot_cap = None  # grown back past the plan: the plan rules again
         self._planned_slots = slots
