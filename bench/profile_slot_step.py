@@ -4,7 +4,9 @@ Replays the captured step at a given slot count with slots at GSM8k-like positio
 it with CUDA events, for each decode attention (the split-K kernel at several tilings, flash
 varlen, masked SDPA) and with attention replaced by nothing (what the rest of the model costs);
 then the token choice alone, and scoring chunks of several token budgets (whole log-prob pass,
-and the decoder alone). First it checks the split-K kernel against flash on random bf16 data.
+and the decoder alone). First it checks the split-K kernel against flash on random bf16 data,
+and times it with each slot's prompt keys read from its own row and from the first row of its
+group of --group (the slot engine's shared prompt reads; `split_k shared` does the same in the step).
 
     python bench/profile_slot_step.py --shape 135m --slots 1024,2048 --out profile.json
 """
@@ -42,6 +44,10 @@ def main() -> None:
     ap.add_argument("--models", default="hf",
                     help="whose forward the steps run, in turn: hf (transformers' module), native (backends/llama.py, "
                          "eager), fused (backends/llama.py with fused.py's kernels); same random weights")
+    ap.add_argument("--group", type=int, default=16,
+                    help="attempts per prompt for the shared-prompt rows: the kernel and the `split_k shared` step "
+                         "read each group's first --prompt-len keys from its first row (decode_attention.py)")
+    ap.add_argument("--prompt-len", type=int, default=175)
     ap.add_argument("--out", default="profile_slot_step.json")
     a = ap.parse_args()
     cls, kw = SHAPES[a.shape]
@@ -94,6 +100,18 @@ def main() -> None:
                      "max_abs_diff_vs_flash": round((out.float() - ref.float()).abs().max().item(), 5),
                      "cache_read_tb_per_s": round(read / ms / 1e9, 2)})
         print(rows[-1], file=sys.stderr, flush=True)
+    # The same kernel with and without shared prompt reads, at GSM8k-like lengths: a prompt of
+    # --prompt-len keys and up to 128 generated, groups of --group rows.
+    att = DecodeAttention(slots0, a.max_len, kv_heads, rep, dim, torch.bfloat16, "cuda")
+    own = torch.arange(slots0, dtype=torch.int32, device="cuda")
+    leader = own - own % a.group
+    plen = torch.full((slots0,), a.prompt_len, dtype=torch.int32, device="cuda")
+    n_gsm = torch.randint(a.prompt_len + 1, a.prompt_len + 129, (slots0,), device="cuda", generator=gen).to(torch.int32)
+    for name, prow in (("own rows", own), (f"prompt read from one row of {a.group}", leader)):
+        ms = timed(lambda: att(q, k, v, n_gsm, dim ** -0.5, prow, plen), 50)
+        rows.append({"slots": slots0, "what": f"one layer's decode attention, split_k, {name}", "ms": round(ms, 4),
+                     "keys_per_row_mean": round(float(n_gsm.float().mean()), 1)})
+        print(rows[-1], file=sys.stderr, flush=True)
     ms = timed(lambda: torch.ops.aten._flash_attention_forward(
         qf, k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), cu * rep, cu * a.max_len, rep, a.max_len,
         0.0, False, False, scale=dim ** -0.5, seqused_k=n), 50)
@@ -107,6 +125,8 @@ def main() -> None:
     variants = []
     for v in a.variants.split(","):
         variants += [f"split_k {t}" for t, _ in tilings] if v == "split_k" else [v]
+        if v == "split_k":
+            variants.append("split_k shared")
     hf_model = model
     models = {"hf": hf_model}
     if set(a.models.split(",")) - {"hf"}:
@@ -125,7 +145,7 @@ def main() -> None:
         model = models[model_name]
         attention = variant.split()[0] if variant != "no attention" else "sdpa"
         engine = SlotEngine(model, slots=slots, max_len=a.max_len, stop_ids=[0], pad_id=0, attention=attention)
-        if variant.startswith("split_k"):
+        if variant.startswith("split_k") and variant != "split_k shared":
             tiling = dict(tilings)[variant.split()[1]]
             engine.split_k = DecodeAttention(slots, a.max_len, kv_heads, rep, dim, torch.bfloat16, "cuda",
                                              **tiling)
@@ -138,6 +158,12 @@ def main() -> None:
                 llama.ATTENTION[slot_mod.ATTN_NAME] = nothing
         gen = torch.Generator(device="cuda").manual_seed(1)
         engine.pos.copy_(torch.randint(175, a.max_len - 128, (slots,), device="cuda", generator=gen))
+        if variant == "split_k shared":  # each group's prompt read from its first row; the default tiling
+            own_rows = torch.arange(slots, dtype=torch.int32, device="cuda")
+            engine.prefix_row.copy_(own_rows - own_rows % a.group)
+            engine.prefix_len.fill_(a.prompt_len)
+        else:
+            engine.share_prefix = False
         engine.tok.copy_(torch.randint(0, 40000, (slots,), device="cuda", generator=gen))
         engine.u.uniform_(generator=gen)
         saved_pos = engine.pos.clone()

@@ -43,6 +43,76 @@ KERNEL_CHECK = textwrap.dedent("""
     print(json.dumps({json.dumps(shape): check(*shape) for shape in json.loads(sys.argv[1])}))
 """)
 
+PREFIX_CHECK = textwrap.dedent("""
+    import json, torch
+    from gsm8kctl.sampling.backends.decode_attention import CHUNK, DecodeAttention
+    torch.manual_seed(0)
+    slots, max_len, kv_heads, rep, dim = 6, 600, 3, 3, 64
+    k = torch.full((slots, max_len, kv_heads, dim), float("nan"))
+    v = torch.full((slots, max_len, kv_heads, dim), float("nan"))
+    # Two groups and a row alone: rows 0-2 read their first CHUNK + 8 keys (across the split
+    # edge) from row 1, rows 3-4 their first 40 from row 4, row 5 only its own. Every other row's
+    # prompt keys are NaN: a read of them instead of the group's row would show.
+    prefix_row = torch.tensor([1, 1, 1, 4, 4, 5], dtype=torch.int32)
+    prefix_len = torch.tensor([CHUNK + 8] * 3 + [40] * 2 + [0], dtype=torch.int32)
+    n = torch.tensor([CHUNK + 9, CHUNK + 30, max_len, 41, 300, 77], dtype=torch.int32)
+    for row, leader in enumerate(prefix_row.tolist()):
+        lo = int(prefix_len[row]) if leader != row else 0
+        k[row, lo:n[row]] = torch.randn(int(n[row]) - lo, kv_heads, dim)
+        v[row, lo:n[row]] = torch.randn(int(n[row]) - lo, kv_heads, dim)
+    q = torch.randn(slots, kv_heads, rep, dim)
+    att = DecodeAttention(slots, max_len, kv_heads, rep, dim, torch.float32, "cpu")
+    out = att(q, k, v, n, dim ** -0.5, prefix_row, prefix_len).clone()
+    own = att(q, k, v, n, dim ** -0.5)  # no prefix given: every row its own keys (NaN where shared)
+    err = 0.0
+    for row, leader in enumerate(prefix_row.tolist()):
+        plen, used = int(prefix_len[row]), int(n[row])
+        kk = torch.cat([k[leader, :plen], k[row, plen:used]]).transpose(0, 1)
+        vv = torch.cat([v[leader, :plen], v[row, plen:used]]).transpose(0, 1)
+        ref = torch.softmax(q[row] @ kk.transpose(1, 2) * dim ** -0.5, -1) @ vv
+        err = max(err, (out[row] - ref).abs().max().item())
+    print(json.dumps({"err": err, "nan_without_prefix": [bool(own[r].isnan().any()) for r in range(slots)]}))
+""")
+
+SHARED_PROMPT_CHECK = textwrap.dedent("""
+    import json, random, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from gsm8kctl.sampling.backends.slots import Request, SlotEngine
+
+    class Watch(SlotEngine):
+        \"\"\"Counts rows read from another row, and groups whose row moved while they decoded.\"\"\"
+        shared = moved = 0
+        def _repoint(self, owner):
+            was = {self._group[r]: self._prefix_host[r] for r in range(self.slots)
+                   if owner[r] is not None and self._prefix_host[r] != r}
+            super()._repoint(owner)
+            now = {self._group[r]: self._prefix_host[r] for r in range(self.slots) if owner[r] is not None}
+            self.moved += sum(1 for g, p in was.items() if g in now and now[g] != p)
+            self.shared = max(self.shared, sum(1 for r, p in enumerate(self._prefix_host) if p != r))
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(40, 512) for _ in range(rng.randrange(20, 90))] for _ in range(5)]
+    # 5 problems x 6 attempts on 8 slots, sampled, ending at a stop token (ids 0-39, about 8 % of
+    # the vocabulary) or after 30 tokens: a group's first row often finishes and takes another
+    # prompt while the rest of its group decodes, and the drain compacts the rows.
+    reqs = lambda: [Request(6 * p + a, prompt, seed=6 * p + a) for p, prompt in enumerate(prompts) for a in range(6)]
+    out, watched = {}, {}
+    for name, attention, share in (("sdpa", "sdpa", True), ("split_k", "split_k", False),
+                                   ("split_k_shared", "split_k", True)):
+        engine = Watch(model, slots=8, max_len=128, stop_ids=list(range(40)), pad_id=0, attention=attention,
+                       share_prefix=share)
+        done = {f.index: f.token_ids for f in engine.run(reqs(), temperature=1.0, top_p=1.0, max_tokens=30)}
+        out[name] = [done[i] for i in range(len(done))]
+        watched[name] = {"shared": engine.shared, "moved": engine.moved}
+    lengths = [len(t) for t in out["sdpa"]]
+    print(json.dumps({"same": out["sdpa"] == out["split_k"] == out["split_k_shared"], "watched": watched,
+                      "lengths": [min(lengths), max(lengths)]}))
+""")
+
 ENGINE_CHECK = textwrap.dedent("""
     import json, random, torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -107,6 +177,26 @@ def test_slot_engine_with_split_k_gives_the_same_tokens():
     assert got["n"] == 5 * 12
     assert got["same_tokens"]
     assert got["lp_err"] < 1e-4
+
+
+def test_kernel_reads_a_slots_prompt_keys_from_its_groups_row():
+    """A slot's first prefix_len keys come from prefix_row, the rest from its own row, across a
+    split edge; without the pointers the same rows read their own (NaN) prompt keys."""
+    got = _child(PREFIX_CHECK)
+    assert got["err"] < 1e-5
+    assert got["nan_without_prefix"] == [True, False, True, True, False, False]
+
+
+def test_slot_engine_sharing_prompt_reads_gives_the_same_tokens():
+    """Attempts of one prompt read its keys from one busy row of their group, moved as rows finish,
+    take other prompts and are compacted: the tokens are those of masked SDPA and of split-K
+    reading each row's own copy."""
+    got = _child(SHARED_PROMPT_CHECK)
+    assert got["same"]
+    assert got["watched"]["split_k_shared"]["shared"] >= 4  # rows did read another row's prompt
+    assert got["watched"]["split_k_shared"]["moved"] > 0  # and a group's row moved under them
+    assert got["watched"]["split_k"] == got["watched"]["sdpa"] == {"shared": 0, "moved": 0}
+    assert got["lengths"][0] < got["lengths"][1] == 30
 
 
 def test_the_backend_refuses_cuda_kernels_off_cuda_before_loading(tmp_path):

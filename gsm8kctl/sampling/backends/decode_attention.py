@@ -13,6 +13,11 @@ on one H200, 2026-12-02; docs/benchmarks.md); this kernel is built for the decod
   attention). Splits past `n` write m = -inf, l = 0.
 - **Combine.** Program `(slot, kv head)` merges its splits: with M = max_s m_s,
   out_r = sum_s exp(m_s - M) a_s / sum_s exp(m_s - M) l_s, which is softmax(s_r) V exactly.
+- **A shared prompt is read from one row.** The attempts of one problem hold the same prompt
+  keys (the slot engine prefills the prompt once and copies its rows). A slot's keys below
+  `prefix_len[slot]` are read from row `prefix_row[slot]`, one busy row of its group, and the
+  rest from its own row. The values are the same bits, so the output is too; but the group's
+  16 programs then read one copy of the prompt, which stays in the L2 cache, instead of 16.
 
 The grid is fixed by the cache's shape (slots, kv heads, max_len / CHUNK), so a step is
 graph-capturable; how many keys a slot reads is data (its `n`), not shape. The `R` query rows
@@ -72,7 +77,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def partial_kernel(Q, K, V, N, A, ML,
+    def partial_kernel(Q, K, V, N, P, PL, A, ML,
                        s_qb, s_qh, s_qr, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh,
                        s_ab, s_ah, s_as, s_ar, s_mb, s_mh, s_ms,
                        scale, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
@@ -81,6 +86,8 @@ def _build():
         h = tl.program_id(1)
         s = tl.program_id(2)
         n = tl.load(N + b)
+        prow = tl.load(P + b)  # the row holding this slot's prompt keys, below plen
+        plen = tl.load(PL + b)
         r = tl.arange(0, RP)
         d = tl.arange(0, D)
         q = tl.load(Q + b * s_qb + h * s_qh + r[:, None] * s_qr + d[None, :], mask=(r < R)[:, None], other=0.0)
@@ -92,14 +99,17 @@ def _build():
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             live = j < hi
-            k = tl.load(K + b * s_ks + j[:, None] * s_kl + h * s_kh + d[None, :], mask=live[:, None], other=0.0)
+            row = tl.where(j < plen, prow, b)
+            k = tl.load(K + row[:, None] * s_ks + j[:, None] * s_kl + h * s_kh + d[None, :], mask=live[:, None],
+                        other=0.0)
             scores = tl.dot(q, tl.trans(k)) * scale
             scores = tl.where(live[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * s_vs + j[:, None] * s_vl + h * s_vh + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(V + row[:, None] * s_vs + j[:, None] * s_vl + h * s_vh + d[None, :], mask=live[:, None],
+                        other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         tl.store(A + b * s_ab + h * s_ah + s * s_as + r[:, None] * s_ar + d[None, :], acc)
@@ -134,8 +144,10 @@ def _build():
 class DecodeAttention:
     """Scratch buffers for `slots` rows of one cache shape, and the two launches.
 
-    `__call__(q, k_cache, v_cache, n, scale)`: q [b, kv_heads, R, D] (b <= slots), caches
-    [slots, L, kv_heads, D], n [b] int32 keys per slot; returns [b, kv_heads, R, D].
+    `__call__(q, k_cache, v_cache, n, scale, prefix_row, prefix_len)`: q [b, kv_heads, R, D]
+    (b <= slots), caches [slots, L, kv_heads, D], n [b] int32 keys per slot; optionally, per slot
+    (int32, at least b), the row its first `prefix_len` keys are read from (see the module's
+    docstring); returns [b, kv_heads, R, D].
     """
 
     def __init__(self, slots: int, max_len: int, kv_heads: int, rep: int, head_dim: int, dtype, device,
@@ -147,14 +159,20 @@ class DecodeAttention:
         self.acc = torch.empty((slots, kv_heads, self.splits, self.rp, head_dim), dtype=torch.float32, device=device)
         self.ml = torch.empty((slots, kv_heads, self.splits, 2 * self.rp), dtype=torch.float32, device=device)
         self.out = torch.empty((slots, kv_heads, rep, head_dim), dtype=dtype, device=device)
+        # No shared prompt: each slot reads its own row only.
+        self.own_row = torch.arange(slots, dtype=torch.int32, device=device)
+        self.no_prefix = torch.zeros(slots, dtype=torch.int32, device=device)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, prefix_row: torch.Tensor | None = None,
+                 prefix_len: torch.Tensor | None = None) -> torch.Tensor:
         partial_kernel, combine_kernel = _build()
         b, kv_heads = q.shape[:2]
         acc, ml, out = self.acc, self.ml, self.out[:b]
+        if prefix_row is None:
+            prefix_row, prefix_len = self.own_row, self.no_prefix
         partial_kernel[(b, kv_heads, self.splits)](
-            q, k_cache, v_cache, n, acc, ml,
+            q, k_cache, v_cache, n, prefix_row, prefix_len, acc, ml,
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), ml.stride(0), ml.stride(1), ml.stride(2),

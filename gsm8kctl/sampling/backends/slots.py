@@ -73,12 +73,15 @@ class _Forward:
     decode_rows: torch.Tensor | None = None  # decode: arange(bucket)
     pos: torch.Tensor | None = None  # decode: write position of each slot row [bucket]
     mask: torch.Tensor | None = None  # decode: [bucket, 1, 1, max_len] bool, True = attend
+    prefix_row: torch.Tensor | None = None  # split_k: the row each slot reads its prompt keys from
+    prefix_len: torch.Tensor | None = None  # split_k: how many keys (its prompt) it reads there
 
     def clear(self) -> None:
         """Drop the engine's tensors after a forward: held here, a pool that is replaced (longer
         prompts, an out-of-memory) would stay allocated while its successor is planned and made."""
         self.kv = self.split_k = self.n_keys = self.cu_q = self.cu_k = None
         self.prefill_rows = self.decode_rows = self.pos = self.mask = None
+        self.prefix_row = self.prefix_len = None
 
 
 _FWD = _Forward()
@@ -113,7 +116,8 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     if _FWD.split_k is not None:
         # Query head h serves kv head h // rep, so the heads split as [kv_heads, rep] in place.
         q = query[:, :, 0].view(b, kv_heads, rep, dim)
-        out = _FWD.split_k(q, k_cache, v_cache, _FWD.n_keys, scaling if scaling is not None else dim ** -0.5)
+        out = _FWD.split_k(q, k_cache, v_cache, _FWD.n_keys, scaling if scaling is not None else dim ** -0.5,
+                           _FWD.prefix_row, _FWD.prefix_len)
         return out.view(b, 1, heads, dim), None
     if _FWD.flash:
         # Each slot reads only its own pos + 1 keys (not the whole slot): flash varlen with the
@@ -268,7 +272,7 @@ class SlotEngine:
 
     def __init__(self, model, *, slots: int, max_len: int, stop_ids: Sequence[int], pad_id: int,
                  prefill_token_budget: int = 8192, use_graphs: bool | None = None, window: int | None = None,
-                 attention: str = "auto", overlap: bool | None = None):
+                 attention: str = "auto", overlap: bool | None = None, share_prefix: bool = True):
         _register(model)
         self.model = model
         self.decoder = model.get_decoder()
@@ -309,6 +313,15 @@ class SlotEngine:
         self.flash = self.attention == "flash"
         self.split_k = (DecodeAttention(slots, max_len, kv_heads, heads // kv_heads, head_dim, dtype, dev)
                         if self.attention == "split_k" else None)
+        # Split-K reads a slot's prompt keys from one busy row of its group (decode_attention.py):
+        # each row's group (one prompt admitted together), and the row each reads from, on the
+        # host and on the device. The values read are the same bits as the slot's own copy.
+        self.share_prefix = share_prefix and self.split_k is not None
+        self.prefix_row = torch.arange(slots, dtype=torch.int32, device=dev)
+        self.prefix_len = torch.zeros(slots, dtype=torch.int32, device=dev)
+        self._group = [-1] * slots
+        self._prefix_host = list(range(slots))
+        self._groups_made = 0
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # Where `run`'s time goes (wall seconds on the host): blocked at the window syncs (the GPU
         # running behind), admitting (of which `prefill_s` launching the prefill forwards), the
@@ -325,6 +338,8 @@ class SlotEngine:
         self.model.config._attn_implementation = ATTN_NAME
         _FWD.kv, _FWD.mask, _FWD.flash, _FWD.split_k = self.kv, self.mask, self.flash, self.split_k
         _FWD.cu_q, _FWD.cu_k = self.cu_q, self.cu_k
+        if self.share_prefix:
+            _FWD.prefix_row, _FWD.prefix_len = self.prefix_row, self.prefix_len
         try:
             with sdpa_backends(self.device):
                 yield
@@ -541,10 +556,15 @@ class SlotEngine:
             self.lp[dev_rows] = first_lp
             self.pos[dev_rows] = self._up([len(r.prompt) for r in chunk])
             self.count.index_fill_(0, dev_rows, 1)  # a scalar: `count[rows] = 1` copies a CPU tensor up and syncs
-            for r, row in zip(chunk, chunk_rows):
+            if self.share_prefix:
+                self.prefix_len[dev_rows] = self._up(torch.tensor([len(r.prompt) for r in chunk], dtype=torch.int32))
+            for r, row, d in zip(chunk, chunk_rows, which):
                 r.start, r.row, r.fresh = now, row, True
                 owner[row] = r
+                self._group[row] = self._groups_made + d
+            self._groups_made += len(distinct)
             start = end
+        self._repoint(owner)
 
     def _up(self, values) -> torch.Tensor:
         """A list or CPU tensor onto the device without waiting for the work queued there (a plain
@@ -563,9 +583,28 @@ class SlotEngine:
         holes = [r for r in range(target) if owner[r] is None][:len(movers)]
         src, dst = self._up(movers), self._up(holes)
         self.kv[:, :, dst] = self.kv[:, :, src]
-        for t in (self.tok, self.lp, self.pos, self.count, self.u):
+        for t in (self.tok, self.lp, self.pos, self.count, self.u, self.prefix_len):
             t[dst] = t[src]
         for s, d in zip(movers, holes):
             owner[d], owner[s] = owner[s], None
             owner[d].row = d
+            self._group[d] = self._group[s]
+        self._repoint(owner)
         return sorted(r for r in range(self.slots) if owner[r] is not None)
+
+    def _repoint(self, owner) -> None:
+        """Each busy row reads its prompt keys from the lowest busy row of its group. Called after
+        an admission and a compaction, the only writes to rows that were free: the copy of the
+        pointers is queued after those writes and before the next window. A window launched
+        before them reads the old pointers, and the rows as they were then (stream order), so a
+        row that finished may stay where its group reads until the next call."""
+        if not self.share_prefix:
+            return
+        leader: dict[int, int] = {}
+        wanted = list(range(self.slots))
+        for row in range(self.slots):
+            if owner[row] is not None:
+                wanted[row] = leader.setdefault(self._group[row], row)
+        if wanted != self._prefix_host:
+            self._prefix_host = wanted
+            self.prefix_row.copy_(self._up(torch.tensor(wanted, dtype=torch.int32)))
