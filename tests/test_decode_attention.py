@@ -43,6 +43,18 @@ KERNEL_CHECK = textwrap.dedent("""
     print(json.dumps({json.dumps(shape): check(*shape) for shape in json.loads(sys.argv[1])}))
 """)
 
+# A random-init Llama for the engine checks: head_dim 16 (the kernel's smallest), 6 query heads
+# on 2 kv heads.
+TINY_LLAMA = textwrap.dedent("""
+    import json, random, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from gsm8kctl.sampling.backends.slots import Request, SlotEngine
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval()
+""")
+
 PREFIX_CHECK = textwrap.dedent("""
     import json, torch
     from gsm8kctl.sampling.backends.decode_attention import CHUNK, DecodeAttention
@@ -74,11 +86,7 @@ PREFIX_CHECK = textwrap.dedent("""
     print(json.dumps({"err": err, "nan_without_prefix": [bool(own[r].isnan().any()) for r in range(slots)]}))
 """)
 
-SHARED_PROMPT_CHECK = textwrap.dedent("""
-    import json, random, torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from gsm8kctl.sampling.backends.slots import Request, SlotEngine
-
+SHARED_PROMPT_CHECK = TINY_LLAMA + textwrap.dedent("""
     class Watch(SlotEngine):
         \"\"\"Counts rows read from another row, and groups whose row moved while they decoded.\"\"\"
         shared = moved = 0
@@ -90,10 +98,6 @@ SHARED_PROMPT_CHECK = textwrap.dedent("""
             self.moved += sum(1 for g, p in was.items() if g in now and now[g] != p)
             self.shared = max(self.shared, sum(1 for r, p in enumerate(self._prefix_host) if p != r))
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg).eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(40, 512) for _ in range(rng.randrange(20, 90))] for _ in range(5)]
     # 5 problems x 6 attempts on 8 slots, sampled, ending at a stop token (ids 0-39, about 8 % of
@@ -113,15 +117,8 @@ SHARED_PROMPT_CHECK = textwrap.dedent("""
                       "lengths": [min(lengths), max(lengths)]}))
 """)
 
-ENGINE_CHECK = textwrap.dedent("""
-    import json, random, torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from gsm8kctl.sampling.backends.slots import Request, SlotEngine
-    torch.manual_seed(0)
-    # head_dim 16 (the kernel's smallest), 6 query heads on 2 kv heads; slots longer than a split.
-    cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg).eval()
+ENGINE_CHECK = TINY_LLAMA + textwrap.dedent("""
+    # Slots longer than a split.
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(250, 300))] for _ in range(5)]
     out = {}
