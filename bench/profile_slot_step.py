@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=16,
                     help="attempts per prompt for the shared-prompt rows: the kernel and the `split_k shared` step "
                          "read each group's first --prompt-len keys from its first row (decode_attention.py)")
-    ap.add_argument("--prompt-len", type=int, default=175)
+    ap.add_argument("--prompt-len", type=int, default=108,
+                    help="shared prompt keys per row; 108 = the mean GSM8k train prompt under SmolLM2's chat template")
     ap.add_argument("--out", default="profile_slot_step.json")
     a = ap.parse_args()
     cls, kw = SHAPES[a.shape]
