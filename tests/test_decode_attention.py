@@ -134,8 +134,41 @@ ENGINE_CHECK = TINY_LLAMA + textwrap.dedent("""
 """)
 
 
-def _child(code: str, *args: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+COMPILE_CHECK = textwrap.dedent("""
+    import inspect, json, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from gsm8kctl.sampling.backends import decode_attention, fused
+    partial, combine = decode_attention._build()
+    add_rmsnorm, rope, silu_mul = fused._build()
+    # Each kernel with what the engine launches it with on SmolLM2-135M in bf16: pointer and float
+    # arguments, constexprs; every other argument is an int (a size or a stride).
+    kernels = {
+        "partial": (partial, {"Q": "bf16", "K": "bf16", "V": "bf16", "N": "i32", "P": "i32", "PL": "i32",
+                              "A": "fp32", "ML": "fp32"}, {"scale"}, dict(R=3, RP=16, D=64, CHUNK=512, BLOCK_N=64)),
+        "combine": (combine, {"A": "fp32", "ML": "fp32", "O": "bf16"}, set(), dict(SPLITS=2, R=3, RP=16, D=64)),
+        "add_rmsnorm": (add_rmsnorm, {k: "bf16" for k in ("X", "R", "W", "OUT", "H")}, {"eps"},
+                        dict(HAS_RESIDUAL=True, BLOCK=1024)),
+        "rope": (rope, {k: "bf16" for k in ("QKV", "COS", "SIN", "Q", "K")}, set(),
+                 dict(HEADS=9, KV_HEADS=3, D=64, HALF=32, BLOCK=32)),
+        "silu_mul": (silu_mul, {"GU": "bf16", "OUT": "bf16"}, set(), dict(BLOCK=1024)),
+    }
+    out = {}
+    for name, (kernel, pointers, floats, consts) in kernels.items():
+        names = list(inspect.signature(kernel.fn).parameters)
+        sig = {n: "constexpr" if n in consts else "*" + pointers[n] if n in pointers else "fp32" if n in floats
+               else "i32" for n in names}
+        src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        for arch in (80, 90):
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+            out[f"{name} sm{arch}"] = sorted(compiled.asm)
+    print(json.dumps(out))
+""")
+
+
+def _child(code: str, *args: str, interpret: bool = True) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if interpret else \
+        {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
                           cwd=str(REPO), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -194,6 +227,16 @@ def test_slot_engine_sharing_prompt_reads_gives_the_same_tokens():
     assert got["watched"]["split_k_shared"]["moved"] > 0  # and a group's row moved under them
     assert got["watched"]["split_k"] == got["watched"]["sdpa"] == {"shared": 0, "moved": 0}
     assert got["lengths"][0] < got["lengths"][1] == 30
+
+
+def test_the_kernels_compile_for_a_gpu():
+    """The interpreter runs a kernel's Python, not what Triton compiles: each kernel the engine
+    launches on CUDA compiles to a cubin for an A100 (sm80) and an H100 / H200 (sm90), here,
+    without a GPU (Triton's compiler and ptxas are in its wheel)."""
+    got = _child(COMPILE_CHECK, interpret=False)
+    names = ("partial", "combine", "add_rmsnorm", "rope", "silu_mul")
+    assert sorted(got) == sorted(f"{n} sm{a}" for n in names for a in (80, 90))
+    assert all("cubin" in stages and "ptx" in stages for stages in got.values())
 
 
 def test_the_backend_refuses_cuda_kernels_off_cuda_before_loading(tmp_path):
