@@ -51,6 +51,8 @@ def main() -> None:
                     help="shared prompt keys per row; 108 = the mean GSM8k train prompt under SmolLM2's chat template")
     ap.add_argument("--out", default="profile_slot_step.json")
     a = ap.parse_args()
+    if a.group < 1 or not 0 <= a.prompt_len < a.max_len - 128:
+        ap.error(f"--group must be >= 1 and --prompt-len in [0, --max-len - 128 = {a.max_len - 128})")
     cls, kw = SHAPES[a.shape]
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -554,10 +554,11 @@ class SlotEngine:
             first_lp = logp.gather(-1, first[:, None]).squeeze(-1)
             self.tok[dev_rows] = first
             self.lp[dev_rows] = first_lp
-            self.pos[dev_rows] = self._up([len(r.prompt) for r in chunk])
+            prompt_lens = self._up([len(r.prompt) for r in chunk])
+            self.pos[dev_rows] = prompt_lens
             self.count.index_fill_(0, dev_rows, 1)  # a scalar: `count[rows] = 1` copies a CPU tensor up and syncs
             if self.share_prefix:
-                self.prefix_len[dev_rows] = self._up(torch.tensor([len(r.prompt) for r in chunk], dtype=torch.int32))
+                self.prefix_len[dev_rows] = prompt_lens.to(torch.int32)
             for r, row, d in zip(chunk, chunk_rows, which):
                 r.start, r.row, r.fresh = now, row, True
                 owner[row] = r

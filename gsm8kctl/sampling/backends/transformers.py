@@ -237,8 +237,8 @@ class TransformersBackend:
             # A longer prompt than the pool's slots hold. The pool goes back before the new one is
             # planned, and the new one keeps at least its bytes: planned against the memory of now
             # (the trainer resident, its peaks cached) the room is smaller than when the first pool
-            # was made, and a loop on an H100 went from 432 to 208-224 slots, for the rest of its
-            # run, at its first prompt 128 tokens longer than the others.
+            # was made: loops on an H100 went from 432 to 208-224 slots for the rest of their run
+            # when they drew the one GSM8k train prompt (271 tokens) too long for 768-token slots.
             kept = slots_for_longer(self._engine.slots, self._engine.max_len, max_len)
             self._engine = None
             oom.release()
