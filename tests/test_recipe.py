@@ -13,7 +13,7 @@ from gsm8kctl.artifacts.data import split_problems
 from gsm8kctl.artifacts.jsonl import read_jsonl
 from gsm8kctl.config import load_config
 from gsm8kctl.config.sizes import SIZE_KEYS
-from gsm8kctl.loop.driver import no_signal
+from gsm8kctl.loop.driver import curve_due, no_signal
 
 # A loop of the tiny model that runs in seconds: the recipe's shape (a warm start, a validation
 # split, the KL to the warm start), sizes cut down.
@@ -109,9 +109,18 @@ def test_a_loop_without_signal_stops_with_exit_1_and_resumes(tmp_path, tiny_mode
     assert [r["iteration"] for r in rows] == [-1, 0, 1] and rows[1]["no_signal"] and rows[2]["no_signal"]
     state = json.loads((run / "state.json").read_text())
     assert (state["iteration"], state["phase"]) == (2, "evaluate")  # saved: the same command goes on
+    # No evaluation since the start: the curve was drawn at the stop, after the last metrics line.
+    assert (run / "learning_curve.png").stat().st_mtime_ns >= (run / "metrics.jsonl").stat().st_mtime_ns
     again = run_cli(*args, "stop_without_signal=0", "--iterations", "3")
     assert again.returncode == 0, again.stderr[-2000:]
     assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [-1, 0, 1, 2, 3]
+
+
+def test_the_curve_is_redrawn_when_an_evaluation_lands_and_after_the_last_iteration():
+    assert curve_due({"iteration": -1, "test_accuracy_strict": 0.0}, 8)
+    assert curve_due({"iteration": 4, "validation_accuracy_strict": 0.1, "test_accuracy_strict": None}, 8)
+    assert not curve_due({"iteration": 5, "test_accuracy_strict": None, "train_success_rate": 0.1}, 8)
+    assert curve_due({"iteration": 8}, 8)  # the last, evaluated or not (test_every_n_iterations=0)
 
 
 def test_one_seed_samples_the_same_tokens_in_any_run_directory(tmp_path, tiny_model_dir):

@@ -310,6 +310,7 @@ class _Context:
         trained = [r for r in rows if r.get("attempts")]
         streak = trained[-limit:]
         if len(streak) == limit and all(r.get("no_signal") for r in streak) and streak[-1]["iteration"] == it:
+            plot_learning_curve(rows, self.run_dir / CURVE_FILE)  # the curve up to where it stops
             raise Stopped(f"{self.run_dir}: stopped after {limit} iterations in a row without a reward signal "
                           f"(stop_without_signal={limit}); the last: {streak[-1]['no_signal']}. Change the config "
                           "and rerun the same command to go on from here")
@@ -520,7 +521,8 @@ class _Context:
         if row["no_signal"]:
             warn(f"iteration {it} has no reward signal: {row['no_signal']}", self.quiet)
         write_jsonl(path, rows + [row])  # atomic rewrite: a rerun of this phase never duplicates a line
-        plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
+        if curve_due(row, self.cfg["iterations"]):
+            plot_learning_curve(rows + [row], self.run_dir / CURVE_FILE)
         _report_to(self.cfg["report_to"], row, self.run_dir, self.quiet)
 
     def _mark_best(self, it: int, accuracy: float, evaluated: Path) -> None:
@@ -603,6 +605,15 @@ def _duplicate_correct(tapes: list[dict]) -> int:
             copies += key in seen
             seen.add(key)
     return copies
+
+
+def curve_due(row: dict, iterations: int) -> bool:
+    """Whether the record phase redraws the learning curve: when an evaluation lands and after the
+    last iteration (and, in `_stop_without_signal`, before a stop). Drawing takes about 0.3 s on one
+    core, most of the record phase, and an iteration without an evaluation adds one train-success
+    point only, so the curve is at most `test_every_n_iterations - 1` such points behind."""
+    evaluated = any(row.get(f"{split}_accuracy_strict") is not None for split in ("test", "validation"))
+    return evaluated or row["iteration"] >= iterations
 
 
 def plot_learning_curve(rows: list[dict], path: Path) -> None:
